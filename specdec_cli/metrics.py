@@ -1,0 +1,124 @@
+"""Per-step records of a speculative decode loop and the numbers a benchmark reports.
+
+Glossary:
+  drafted   -- tokens the draft model proposed in one block (gamma, or fewer near the end).
+  accepted  -- the longest prefix of the drafted tokens that the verifier kept.
+  recovered -- when a draft token is rejected, the verifier samples a replacement from the
+               residual distribution max(0, p_target - p_draft), normalised; that token is
+               emitted in place of the rejected one (also called the residual token).
+  bonus     -- when every drafted token is accepted, the target's forward already gives the
+               distribution for the next position, so one more token is sampled for free.
+  So a block normally emits accepted + 1 tokens (the +1 is the recovered or bonus token), and
+  the *mean accepted length* counts that +1: it is tokens emitted per target forward, and a
+  target-only decoder scores exactly 1.0.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One target forward (one speculative block) of the decode loop."""
+
+    drafted: int  # draft tokens proposed in this block; 0 for target-only decoding
+    accepted: int  # drafted tokens the verifier accepted, before EOS/length truncation
+    emitted: int  # tokens appended to the output: accepted + 1, fewer if EOS/max-new-tokens cut it
+    draft_seconds: float
+    verify_seconds: float  # target forward + acceptance test
+
+
+def mean_accepted_length(steps: list[StepRecord]) -> float | None:
+    """Tokens emitted per target forward: sum(emitted) / len(steps).
+
+    This includes the recovered or bonus token of each block, so it is >= 1 for any block
+    that was not truncated, and target-only decoding gives 1.0. None when there are no steps.
+    """
+    if not steps:
+        return None
+    return sum(s.emitted for s in steps) / len(steps)
+
+
+def acceptance_rate(steps: list[StepRecord]) -> float | None:
+    """Fraction of drafted tokens accepted: sum(accepted) / sum(drafted).
+
+    None when nothing was drafted (target-only runs), so that reports print "n/a" and JSON
+    gets null rather than NaN, which is not valid JSON.
+    """
+    drafted = sum(s.drafted for s in steps)
+    if drafted == 0:
+        return None
+    return sum(s.accepted for s in steps) / drafted
+
+
+def acceptance_by_position(steps: list[StepRecord], gamma: int) -> list[float | None]:
+    """Acceptance rate of draft positions 1..gamma.
+
+    Position i counts as accepted in a step when accepted >= i, among the steps that drafted
+    at least i tokens; acceptance is a prefix, so this is P(position i kept | it was drafted).
+    An entry is None when no step drafted that far.
+    """
+    rates: list[float | None] = []
+    for i in range(1, gamma + 1):
+        reached = [s for s in steps if s.drafted >= i]
+        rates.append(sum(s.accepted >= i for s in reached) / len(reached) if reached else None)
+    return rates
+
+
+def draft_time_share(steps: list[StepRecord]) -> float | None:
+    """Fraction of decode-loop time spent drafting; None when no time was recorded."""
+    draft = sum(s.draft_seconds for s in steps)
+    total = draft + sum(s.verify_seconds for s in steps)
+    if total <= 0:
+        return None
+    return draft / total
+
+
+def cost_ratio(draft_seconds_per_token: float, target_seconds_per_forward: float) -> float:
+    """c in Leviathan et al. 2023: time of one draft step over time of one target forward."""
+    if target_seconds_per_forward <= 0:
+        raise ValueError("target_seconds_per_forward must be positive")
+    return draft_seconds_per_token / target_seconds_per_forward
+
+
+def predicted_speedup(alpha: float, gamma: int, c: float) -> float:
+    """Expected wall-time speedup over target-only decoding (Leviathan et al. 2023, Thm 3.8).
+
+        (1 - alpha^(gamma+1)) / ((1 - alpha) * (gamma*c + 1))
+
+    alpha is the per-token acceptance rate, gamma the draft length, c the cost ratio.
+    The numerator over (1 - alpha) is summed as the geometric series 1 + alpha + ... + alpha^gamma,
+    which equals the formula for alpha < 1 and gives the alpha -> 1 limit (gamma+1) exactly,
+    without dividing by a tiny (1 - alpha).
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if gamma < 0 or c < 0:
+        raise ValueError("gamma and c must be non-negative")
+    expected_tokens = sum(alpha**k for k in range(gamma + 1))
+    return expected_tokens / (gamma * c + 1)
+
+
+def speedup(baseline_tps: list[float], speculative_tps: list[float]) -> float:
+    """Spec-Bench's speedup: mean(speculative_tps) / mean(baseline_tps).
+
+    Each list holds one tokens/s figure per prompt, same prompts in both. This is a ratio of
+    means, not the mean of per-prompt ratios, so long fast prompts and short slow ones are
+    weighed as Spec-Bench does.
+    """
+    if not baseline_tps or len(baseline_tps) != len(speculative_tps):
+        raise ValueError("need the same, non-zero number of baseline and speculative figures")
+    return statistics.fmean(speculative_tps) / statistics.fmean(baseline_tps)
+
+
+def median_and_spread(values: list[float]) -> tuple[float, float, float]:
+    """(median, min, max) over --repeats runs.
+
+    Min/max rather than an IQR: with the handful of repeats a benchmark affords, quartiles
+    are barely defined, while the full range shows the worst and best run honestly.
+    """
+    if not values:
+        raise ValueError("need at least one value")
+    return statistics.median(values), min(values), max(values)

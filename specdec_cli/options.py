@@ -1,0 +1,82 @@
+"""Pieces every command shares: option definitions, config loading with overrides, error reporting."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from specdec_cli.config import Config, apply_overrides, load_config
+from specdec_cli.errors import SpecdecError
+from specdec_cli.sampling import SamplingParams
+
+EXIT_INTERRUPTED = 130
+
+# Options shared by every command. A flag overrides the YAML when given, including 0 and false.
+ConfigOpt = Annotated[Optional[str], typer.Option(
+    "--config", "-c", help="YAML config: a path, or a name in ./configs/ [default: smollm2-ngram].")]
+TemperatureOpt = Annotated[Optional[float], typer.Option(help="Sampling temperature; 0 is greedy.")]
+TopKOpt = Annotated[Optional[int], typer.Option(help="Keep the k most likely tokens; 0 disables.")]
+TopPOpt = Annotated[Optional[float], typer.Option(help="Nucleus mass in (0, 1]; 1 disables.")]
+SeedOpt = Annotated[Optional[int], typer.Option(help="Random seed (same seed, same tokens).")]
+GammaOpt = Annotated[Optional[int], typer.Option(
+    "--num-draft-tokens", "--gamma", "-k", help="Draft tokens per target forward.")]
+MaxNewOpt = Annotated[Optional[int], typer.Option(help="Most tokens to generate.")]
+IgnoreEosOpt = Annotated[Optional[bool], typer.Option(
+    "--ignore-eos/--stop-at-eos", help="Keep generating past end-of-sequence.")]
+DeviceOpt = Annotated[Optional[str], typer.Option(help="auto, cpu, cuda or cuda:N.")]
+DtypeOpt = Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16.")]
+ThreadsOpt = Annotated[Optional[int], typer.Option(help="CPU threads for torch.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON record to stdout, nothing else.")]
+
+
+def reports_errors(command):
+    """Known failures become one `Error: ...` line on stderr and their exit code; set SPECDEC_DEBUG=1
+    for the traceback. Ctrl-C exits with 130."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except KeyboardInterrupt:
+            print("\nInterrupted.", file=sys.stderr)
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+        except Exception as exc:
+            if os.environ.get("SPECDEC_DEBUG"):
+                raise
+            known = isinstance(exc, SpecdecError)
+            message = " ".join(str(exc).split()) if known else f"{type(exc).__name__}: {exc}"
+            hint = "" if known else " (internal error; set SPECDEC_DEBUG=1 for the traceback)"
+            print(f"Error: {message}{hint}", file=sys.stderr)
+            raise typer.Exit(exc.exit_code if known else 1) from None
+
+    return wrapper
+
+
+def configure(config: str | None, **overrides) -> Config:
+    """Load the YAML and apply flags given as section__key=value (None: not given)."""
+    return apply_overrides(load_config(config),
+                           {key.replace("__", "."): value for key, value in overrides.items()})
+
+
+def sampling_params(config: Config) -> SamplingParams:
+    s = config.sampling
+    return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+
+
+def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
+    if (prompt is None) == (prompt_file is None):
+        raise SpecdecError("give exactly one of --prompt TEXT (or - for stdin) and --prompt-file PATH")
+    if prompt == "-":
+        return sys.stdin.read()
+    if prompt_file is not None:
+        try:
+            return prompt_file.read_text()
+        except OSError as exc:
+            raise SpecdecError(f"cannot read prompt file {prompt_file}: {exc.strerror}") from None
+    return prompt

@@ -1,0 +1,121 @@
+"""Load a config's target and drafter onto a device, check they can work together, encode prompts."""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass
+
+import torch
+import transformers
+from transformers import PreTrainedTokenizerBase
+
+import specdec_cli
+from specdec_cli.cached_model import CachedModel
+from specdec_cli.checkpoints import load_model
+from specdec_cli.config import Config
+from specdec_cli.drafters import ModelDrafter, NgramDrafter
+from specdec_cli.engine import Drafter, SpeculativeDecoder
+from specdec_cli.errors import SpecdecError
+from specdec_cli.sampling import SamplingParams
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise SpecdecError(f"device {name} requested but CUDA is not available (torch {torch.__version__})")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":  # bf16 where it is sure to be fast; float32 on CPUs, many lack bf16 units
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+@dataclass
+class Pair:
+    config: Config
+    tokenizer: PreTrainedTokenizerBase
+    target: CachedModel
+    drafter: Drafter
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids = self.target.model.generation_config.eos_token_id
+        ids = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def decoder(self, params: SamplingParams, speculative: bool = True,
+                num_draft_tokens: int | None = None) -> SpeculativeDecoder:
+        gamma = num_draft_tokens or self.config.speculation.num_draft_tokens
+        return SpeculativeDecoder(self.target, self.drafter if speculative else None, params, gamma,
+                                  self.eos_token_ids)
+
+    def encode(self, prompt: str, raw: bool = False, history: list[dict] | None = None) -> list[int]:
+        """Token ids of a prompt: through the chat template when the tokenizer has one (unless raw).
+        `history` holds earlier turns of a conversation as chat messages."""
+        if not prompt.strip():
+            raise SpecdecError("the prompt is empty")
+        if self.tokenizer.chat_template and not raw:
+            messages = (history or []) + [{"role": "user", "content": prompt}]
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+        else:
+            ids = self.tokenizer.encode(prompt)
+        return list(ids)
+
+    def check_fits(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+        limit = self.target.context_length
+        if len(prompt_ids) + max_new_tokens > limit:
+            raise SpecdecError(f"the prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({max_new_tokens}) "
+                               f"exceeds the target's context of {limit} tokens")
+
+    def describe(self) -> dict:
+        """What a record needs to say about where and how it ran."""
+        device = self.device
+        return {
+            "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+            or platform.machine(),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads(),
+            "cache": "static" if self.target.static_cache else "dynamic",
+            "versions": {"specdec": specdec_cli.__version__, "torch": torch.__version__,
+                         "transformers": transformers.__version__, "python": platform.python_version()},
+        }
+
+
+def check_tokenizers(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase) -> None:
+    """The acceptance test compares token ids: both models must give every token the same id."""
+    target_vocab, draft_vocab = target.get_vocab(), draft.get_vocab()
+    if target_vocab != draft_vocab:
+        differing = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()), key=lambda kv: kv[1])
+        token, _ = differing[0]
+        raise SpecdecError(f"draft and target tokenizers disagree on token ids ({len(differing)} entries "
+                           f"differ, e.g. {token!r}): speculative decoding needs a shared vocabulary")
+
+
+def load_pair(config: Config) -> Pair:
+    transformers.utils.logging.disable_progress_bar()  # specdec shows its own status on stderr
+    runtime = config.runtime
+    if runtime.threads:
+        torch.set_num_threads(runtime.threads)
+    device = resolve_device(runtime.device)
+    dtype = resolve_dtype(runtime.dtype, device)
+    static = runtime.cache == "static" or (runtime.cache == "auto" and device.type == "cuda")
+    model, tokenizer = load_model(config.target, device, dtype)
+    vocab_size = model.get_output_embeddings().out_features
+    target = CachedModel(model, vocab_size, static)
+    if config.draft.ngram is not None:
+        drafter = NgramDrafter(config.draft.ngram.max_n, config.draft.ngram.min_n, vocab_size, device)
+    else:
+        draft_model, draft_tokenizer = load_model(config.draft, device, dtype)
+        check_tokenizers(tokenizer, draft_tokenizer)
+        drafter = ModelDrafter(CachedModel(draft_model, vocab_size, static))
+    return Pair(config, tokenizer, target, drafter, device, dtype)
