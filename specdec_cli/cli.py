@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from specdec_cli import display, records
-from specdec_cli.errors import SpecdecError
 from specdec_cli.options import (ConfigOpt, DeviceOpt, DtypeOpt, GammaOpt, IgnoreEosOpt, JsonOpt, MaxNewOpt,
                                  SeedOpt, TemperatureOpt, ThreadsOpt, TopKOpt, TopPOpt, configure,
-                                 reports_errors, sampling_params)
+                                 read_prompt, reports_errors, sampling_params)
 
 app = typer.Typer(
     name="specdec", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
