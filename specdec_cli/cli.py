@@ -85,5 +85,52 @@ def generate(
         display.stderr.print(f"Record: {folder / 'record.json'}")
 
 
+@app.command(epilog="""Examples:\n
+  specdec benchmark\n
+  specdec benchmark -c configs/tiny-random.yaml --gamma 1,2,4 --temperatures 0,0.7 --repeats 3\n
+  specdec benchmark --prompts question.jsonl --category qa --limit 5 --peer hf\n
+  specdec benchmark --min-speedup 1.2 --min-accept-length 2 --json > result.json\n
+  specdec benchmark --compare runs/A runs/B""")
+@reports_errors
+def benchmark(
+    config: ConfigOpt = None,
+    prompts: Annotated[Optional[Path], typer.Option(
+        help="Spec-Bench question.jsonl, JSONL of {\"prompt\": ...}, or text (a prompt per line) "
+             "[default: the built-in suite, 1 prompt per category].")] = None,
+    category: Annotated[Optional[str], typer.Option(help="Only prompts of this category.")] = None,
+    limit: Annotated[Optional[int], typer.Option(help="At most this many prompts per category.")] = None,
+    gamma: Annotated[Optional[str], typer.Option(
+        "--gamma", "-k", help="Draft lengths to sweep, e.g. 1,2,4 [default: the config's].")] = None,
+    temperatures: Annotated[Optional[str], typer.Option(
+        help="Temperatures, e.g. 0,0.7,1.0 [default: 0 and the config's, 1.0 if it is greedy].")] = None,
+    max_new_tokens: MaxNewOpt = None, ignore_eos: IgnoreEosOpt = None, seed: SeedOpt = None,
+    repeats: Annotated[int, typer.Option(help="Runs per prompt and mode; median and range reported.")] = 1,
+    warmup: Annotated[int, typer.Option(help="Unmeasured warm-up generations per mode.")] = 1,
+    peer: Annotated[Optional[str], typer.Option(
+        help="Also measure a peer: hf (transformers' assisted generate) on the same prompts.")] = None,
+    min_speedup: Annotated[Optional[float], typer.Option(
+        help="Exit 4 unless every overall speedup reaches this.")] = None,
+    min_accept_length: Annotated[Optional[float], typer.Option(
+        help="Exit 4 unless every overall mean accepted length reaches this.")] = None,
+    compare: Annotated[Optional[tuple[Path, Path]], typer.Option(
+        help="Show two benchmark records (run folders or record.json) side by side; runs nothing.")] = None,
+    device: DeviceOpt = None, dtype: DtypeOpt = None, threads: ThreadsOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """Measure target-only vs speculative decoding on a prompt set, greedy and sampled: tokens/s,
+    speedup, acceptance, cost ratio and Leviathan's predicted speedup. Writes runs/<time>-benchmark-<name>/
+    with record.json and report.md."""
+    from specdec_cli import benchmark as bench  # torch/transformers load only once arguments are fine
+
+    if compare:
+        return bench.compare(*compare, as_json=as_json)
+    cfg = configure(config, sampling__seed=seed, generation__max_new_tokens=max_new_tokens,
+                    generation__ignore_eos=ignore_eos, runtime__device=device, runtime__dtype=dtype,
+                    runtime__threads=threads)
+    plan = bench.make_plan(cfg, bench.parse_list(gamma, int, "--gamma"),
+                           bench.parse_list(temperatures, float, "--temperatures"), repeats, warmup, peer)
+    bench.execute(cfg, bench.choose_prompts(prompts, category, limit), plan, as_json, min_speedup,
+                  min_accept_length)
+
+
 def main() -> None:
     app()

@@ -67,3 +67,11 @@ def generation_table(stats: dict, env: dict, title: str) -> Table:
     for name, value in rows:
         table.add_row(name, value)
     return table
+
+
+def progress():
+    """A progress bar on stderr for long measurements (benchmark: prompt i of n, current mode)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=stderr)

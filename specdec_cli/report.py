@@ -1,0 +1,148 @@
+"""Benchmark tables, built once as plain rows and rendered either as rich tables or as Markdown."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rich.table import Table
+
+from specdec_cli.display import environment_caption, fmt
+
+OVERALL = "overall"  # the group of all prompts, beside each category
+
+SPEEDUP_FORMULA = ("speedup = mean over prompts of speculative decode tok/s / mean over prompts of target-only "
+                   "decode tok/s (Spec-Bench); decode excludes prefill")
+LEVIATHAN = ("predicted = (1 - α^(γ+1)) / ((1 - α)(γc + 1)) (Leviathan et al. 2023), α = accepted / "
+             "(accepted + rejections), c = draft s per draft token / target-only s per forward, both "
+             "measured here; predicted above measured is what the loop's overhead costs")
+
+PEER_FAIRNESS = ("Fair by construction: transformers generate() runs the same loaded models (same weights, dtype, "
+                 "device, threads) on the same encoded prompts with the same max_new_tokens, EOS ids (ignore_eos "
+                 "as min_new_tokens), sampling settings, seed and warm-up; both sides are timed end-to-end "
+                 "(prefill + decode) because generate() does not time them apart.")
+
+
+@dataclass
+class Report:
+    title: str
+    header: list[str]
+    rows: list[list[str]]
+    caption: str = ""
+
+
+def temperature_label(temperature: float) -> str:
+    return "greedy" if temperature == 0 else f"T={temperature:g}"
+
+
+def spread(values: list[float] | tuple[float, float, float], spec: str = ".1f") -> str:
+    """median (min-max), the range only when repeats differ."""
+    median, low, high = values
+    return f"{median:{spec}}" if low == high else f"{median:{spec}} ({low:{spec}}–{high:{spec}})"
+
+
+def _mode(row: dict) -> str:
+    return f"{temperature_label(row['temperature'])}, γ={row['gamma']}"
+
+
+def category_report(summary: list[dict]) -> Report:
+    """Per category and overall; greedy and sampled side by side, one row per (category, gamma)."""
+    temperatures = sorted({r["temperature"] for r in summary})
+    header = ["category", "γ"]
+    for t in temperatures:
+        name = temperature_label(t)
+        header += [f"{name} tok/s base → spec", f"{name} speedup", f"{name} accept len", f"{name} accept rate"]
+    rows = []
+    by_key = {(r["group"], r["gamma"], r["temperature"]): r for r in summary}
+    groups = sorted({r["group"] for r in summary} - {OVERALL}) + [OVERALL]
+    for group in groups:
+        for gamma in sorted({r["gamma"] for r in summary}):
+            cells = [group, str(gamma)]
+            for t in temperatures:
+                r = by_key.get((group, gamma, t))
+                cells += (["n/a"] * 4 if r is None else [
+                    f"{spread(r['baseline_tokens_per_second'])} → {spread(r['speculative_tokens_per_second'])}",
+                    spread(r["speedup"], ".2f") + "×", fmt(r["mean_accepted_length"]),
+                    fmt(r["acceptance_rate"], ".0%")])
+            rows.append(cells)
+    caption = (f"{SPEEDUP_FORMULA}. accept len = mean accepted length: tokens per target forward, incl. the "
+               f"bonus/recovered token (target-only = 1). accept rate = accepted / drafted.")
+    return Report("Speedup by category", header, rows, caption)
+
+
+def detail_report(summary: list[dict]) -> Report:
+    """Every overall number, one column per (temperature, gamma)."""
+    overall = [r for r in summary if r["group"] == OVERALL]
+    metrics = [
+        ("prompts", lambda r: str(r["prompts"])),
+        ("target-only decode tok/s", lambda r: spread(r["baseline_tokens_per_second"])),
+        ("speculative decode tok/s", lambda r: spread(r["speculative_tokens_per_second"])),
+        ("measured speedup", lambda r: spread(r["speedup"], ".2f") + "×"),
+        ("predicted speedup (Leviathan)", lambda r: fmt(r["predicted_speedup"], ".2f", "×")),
+        ("mean accepted length (incl. bonus)", lambda r: fmt(r["mean_accepted_length"])),
+        ("acceptance rate (accepted / drafted)", lambda r: fmt(r["acceptance_rate"], ".1%")),
+        ("per-token acceptance α", lambda r: fmt(r["per_token_acceptance"], ".3f")),
+        ("acceptance by draft position", lambda r: " ".join(fmt(p, ".2f") for p in r["acceptance_by_position"])),
+        ("time drafting (vs verifying)", lambda r: fmt(r["draft_time_share"], ".1%")),
+        ("cost ratio c", lambda r: fmt(r["cost_ratio"], ".3f")),
+        ("prefill s per prompt, base / spec", lambda r: f"{fmt(r['baseline_prefill_seconds'], '.3f')} / "
+                                                       f"{fmt(r['speculative_prefill_seconds'], '.3f')}"),
+    ]
+    rows = [[name] + [cell(r) for r in overall] for name, cell in metrics]
+    return Report("Overall", ["metric"] + [_mode(r) for r in overall], rows, LEVIATHAN)
+
+
+def peer_report(peers: list[dict]) -> Report:
+    rows = [[r["engine"], _mode(r), str(r["prompts"]), spread(r["specdec_tokens_per_second"]),
+             spread(r["peer_tokens_per_second"]),
+             f"{r['specdec_tokens_per_second'][0] / r['peer_tokens_per_second'][0]:.2f}×"
+             if r["peer_tokens_per_second"][0] else "n/a"] for r in peers]
+    header = ["peer", "mode", "prompts", "specdec tok/s", "peer tok/s", "specdec / peer"]
+    return Report("Peers (end-to-end tok/s, prefill + decode)", header, rows, PEER_FAIRNESS)
+
+
+def compare_report(a: dict, b: dict, names: tuple[str, str]) -> Report:
+    """Two records' overall rows side by side, matched by (temperature, gamma)."""
+    fields = [("target-only tok/s", "baseline_tokens_per_second"),
+              ("speculative tok/s", "speculative_tokens_per_second"), ("speedup", "speedup"),
+              ("mean accepted length", "mean_accepted_length"), ("acceptance rate", "acceptance_rate")]
+    index = {(r["temperature"], r["gamma"]): r for r in b["summary"] if r["group"] == OVERALL}
+    rows = []
+    for ra in (r for r in a["summary"] if r["group"] == OVERALL):
+        rb = index.get((ra["temperature"], ra["gamma"]))
+        if rb is None:
+            continue
+        for name, key in fields:
+            va, vb = (_value(r[key]) for r in (ra, rb))
+            ratio = fmt(vb / va if va and vb is not None else None, ".2f", "×")
+            rows.append([_mode(ra), name, fmt(va, ".3f"), fmt(vb, ".3f"), ratio])
+    return Report("Compare (overall)", ["mode", "metric", names[0], names[1], "B / A"], rows,
+                  f"A: {a['name']} ({a['timestamp']}), B: {b['name']} ({b['timestamp']}); tok/s and speedup are "
+                  f"medians over repeats")
+
+
+def _value(x) -> float | None:
+    return x[0] if isinstance(x, list | tuple) else x
+
+
+def rich_table(report: Report) -> Table:
+    table = Table(title=report.title, caption=report.caption or None, caption_justify="left")
+    for i, name in enumerate(report.header):
+        table.add_column(name, justify="left" if i == 0 else "right", overflow="fold")
+    for row in report.rows:
+        table.add_row(*row, style="bold" if row[0] == OVERALL else None)
+    return table
+
+
+def markdown(report: Report) -> str:
+    lines = [f"## {report.title}", "", "| " + " | ".join(report.header) + " |",
+             "|" + "|".join(["---"] + ["---:"] * (len(report.header) - 1)) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in report.rows]
+    return "\n".join(lines + ([ "", report.caption] if report.caption else []) + [""])
+
+
+def markdown_document(record: dict, reports: list[Report]) -> str:
+    partial = " (partial: interrupted)" if record["partial"] else ""
+    head = [f"# specdec benchmark: {record['name']}{partial}", "",
+            f"{record['timestamp']}; {environment_caption(record['environment'])}", "",
+            f"Settings: {record['settings']}", ""]
+    return "\n".join(head) + "\n" + "\n".join(markdown(r) for r in reports)

@@ -1,0 +1,61 @@
+"""Fixtures: tiny real models built in-process, config files in tmp folders, runs kept out of the repo."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specdec_cli.cached_model import CachedModel
+from specdec_cli.checkpoints import build_tiny, byte_tokenizer
+from specdec_cli.config import TinyModel
+
+
+@pytest.fixture(autouse=True)
+def runs_in_tmp(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_RUNS_DIR", str(tmp_path / "runs"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return byte_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_target():
+    return build_tiny(TinyModel(seed=0)).eval()
+
+
+def cached(model, static: bool = False) -> CachedModel:
+    return CachedModel(model, model.config.vocab_size, static)
+
+
+TINY_PAIR = {
+    "name": "tiny-test",
+    "target": {"tiny": {"seed": 0}},
+    "draft": {"tiny": {"seed": 0, "noise": 0.005}},
+    "sampling": {"temperature": 0.0, "seed": 0},
+    "speculation": {"num_draft_tokens": 3},
+    "generation": {"max_new_tokens": 16},
+    "runtime": {"device": "cpu", "dtype": "float32"},
+}
+
+
+@pytest.fixture
+def write_config(tmp_path):
+    """Write the tiny pair's config with `changes` to a YAML file: settings sections are merged key by
+    key, `target` and `draft` are replaced whole."""
+
+    def write(changes: dict | None = None, name: str = "config.yaml") -> Path:
+        data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in TINY_PAIR.items()}
+        for section, value in (changes or {}).items():
+            if section not in ("target", "draft") and isinstance(value, dict) and section in data:
+                data[section].update(value)
+            else:
+                data[section] = value
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(data))
+        return path
+
+    return write

