@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from specdec_cli import display, records
-from specdec_cli.options import (ConfigOpt, DeviceOpt, DtypeOpt, GammaOpt, IgnoreEosOpt, JsonOpt, MaxNewOpt,
+from specdec_cli.options import (EXIT_INTERRUPTED, ConfigOpt, DeviceOpt, DtypeOpt, GammaOpt, IgnoreEosOpt, JsonOpt, MaxNewOpt,
                                  SeedOpt, TemperatureOpt, ThreadsOpt, TopKOpt, TopPOpt, configure,
                                  read_prompt, reports_errors, sampling_params)
 
@@ -132,5 +133,47 @@ def benchmark(
                   min_accept_length)
 
 
+@app.command("verify-distribution", epilog="""Examples:\n
+  specdec verify-distribution -c tiny-random\n
+  specdec verify-distribution --prompt "Tell me a joke." --samples 300 --temperature 0.7 --top-k 50\n
+  specdec verify-distribution --json > verify.json  # exit 0: exact; 3: a check failed; 2: bad input""")
+@reports_errors
+def verify_distribution(
+    prompt: Annotated[Optional[list[str]], typer.Option(
+        "--prompt", "-p", help="Prompt text; repeat for several [default: two built-in prompts].")] = None,
+    samples: Annotated[Optional[int], typer.Option(
+        help="Speculative runs per prompt [default: 1000 for models under 50M parameters, else 150].")] = None,
+    significance: Annotated[float, typer.Option(
+        help="Family-wise significance of the statistical tests (Holm-corrected).")] = 0.01,
+    config: ConfigOpt = None, temperature: TemperatureOpt = None, top_k: TopKOpt = None, top_p: TopPOpt = None,
+    seed: SeedOpt = None, num_draft_tokens: GammaOpt = None, max_new_tokens: MaxNewOpt = None,
+    device: DeviceOpt = None, dtype: DtypeOpt = None, threads: ThreadsOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """Check, with statistics, that speculative output is distributed exactly as the target's: the
+    sampler on synthetic (p, q) pairs, the first and deeper tokens of many seeded runs, and greedy
+    identity (over max-new-tokens). Distribution checks use the config's sampling settings, at
+    temperature 1 when the config is greedy. Exit code 0: all passed; 3: a check failed; 2: bad input."""
+    from specdec_cli.errors import SpecdecError
+    from specdec_cli.verify import verify_distribution as run_verification
+
+    if temperature == 0:
+        raise SpecdecError("the distribution checks need --temperature > 0 (greedy identity always runs)")
+    cfg = configure(config, sampling__temperature=temperature, sampling__top_k=top_k, sampling__top_p=top_p,
+                    sampling__seed=seed, speculation__num_draft_tokens=num_draft_tokens,
+                    generation__max_new_tokens=max_new_tokens, runtime__device=device, runtime__dtype=dtype,
+                    runtime__threads=threads)
+    run_verification(cfg, prompt or [], samples, significance, as_json)
+
+
 def main() -> None:
-    app()
+    """Entry point: usage errors (unknown flags, unparsable values) also become one `Error:` line."""
+    if len(sys.argv) == 1:
+        sys.argv.append("--help")
+    try:
+        code = app(standalone_mode=False)
+    except typer.Abort:
+        code = EXIT_INTERRUPTED
+    except typer.TyperException as exc:  # typer's parsing errors (its vendored click exceptions)
+        print(f"Error: {exc.format_message()} (see --help)", file=sys.stderr)
+        code = exc.exit_code
+    sys.exit(code or 0)

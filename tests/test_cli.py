@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -141,3 +143,11 @@ def test_help_has_examples():
     result = run("generate", "--help")
     assert result.exit_code == 0
     assert "Examples" in result.stdout and "--temperature" in result.stdout
+
+
+@pytest.mark.parametrize("args", [["generate", "--temperature", "hot"], ["generate", "--bogus"]])
+def test_usage_errors_are_one_line_from_the_real_entry_point(args):
+    done = subprocess.run([sys.executable, "-m", "specdec_cli", *args], capture_output=True, text=True)
+    assert done.returncode == EXIT_BAD_INPUT
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), done.stderr
