@@ -61,28 +61,32 @@ def generate(
     prompt_ids = pair.encode(text, raw=raw)
     pair.check_fits(prompt_ids, cfg.generation.max_new_tokens)
 
-    stream = None if as_json else display.TokenStream(pair.tokenizer)
+    # with --json the stream only collects tokens, so Ctrl-C can still save what was generated
+    stream = display.TokenStream(pair.tokenizer, display.quiet if as_json else display.stdout)
     decoder = pair.decoder(sampling_params(cfg))
-    result = decoder.generate(prompt_ids, cfg.generation.max_new_tokens, cfg.sampling.seed,
-                              ignore_eos=cfg.generation.ignore_eos, on_tokens=stream)
-    if stream:
+    record = {"command": "generate", "name": cfg.name, "timestamp": records.timestamp(), "prompt": text,
+              "raw": raw, "prompt_ids": prompt_ids, "seed": cfg.sampling.seed,
+              "environment": pair.describe(), "config": cfg.to_dict()}
+    try:
+        result = decoder.generate(prompt_ids, cfg.generation.max_new_tokens, cfg.sampling.seed,
+                                  ignore_eos=cfg.generation.ignore_eos, on_tokens=stream)
+    except KeyboardInterrupt:
+        record.update(partial=True, token_ids=stream.token_ids, text=stream.text)
         stream.close()
+        display.stderr.print(f"Partial record: {records.write_record('generate', cfg.name, record)}")
+        raise
+    stream.close()
 
     stats = result.stats(decoder.gamma)
-    env = pair.describe()
-    record = {
-        "command": "generate", "name": cfg.name, "timestamp": records.timestamp(),
-        "prompt": text, "raw": raw, "prompt_ids": prompt_ids,
-        "text": pair.tokenizer.decode(result.token_ids, skip_special_tokens=True),
-        "token_ids": result.token_ids, "seed": cfg.sampling.seed, "stats": stats,
-        "steps": [vars(s) for s in result.steps], "environment": env, "config": cfg.to_dict(),
-    }
+    record.update(text=pair.tokenizer.decode(result.token_ids, skip_special_tokens=True),
+                  token_ids=result.token_ids, stats=stats, steps=[vars(s) for s in result.steps])
     folder = records.write_record("generate", cfg.name, record)
     if as_json:
         print(records.dumps(record))
     else:
-        display.stderr.print(display.generation_table(stats, env, f"{cfg.name}: {decoder.gamma} draft tokens, "
-                                                                  f"{'greedy' if decoder.params.greedy else 'sampled'}"))
+        mode = "greedy" if decoder.params.greedy else "sampled"
+        title = f"{cfg.name}: {decoder.gamma} draft tokens, {mode}"
+        display.stderr.print(display.generation_table(stats, record["environment"], title))
         display.stderr.print(f"Record: {folder / 'record.json'}")
 
 

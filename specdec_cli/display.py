@@ -9,6 +9,7 @@ from transformers import PreTrainedTokenizerBase
 
 stdout = Console(highlight=False, soft_wrap=True)
 stderr = Console(stderr=True, highlight=False)
+quiet = Console(quiet=True)  # for output that is collected but not shown
 
 DRAFT_STYLE = "green"  # tokens the target accepted from the draft
 
@@ -75,3 +76,24 @@ def progress():
 
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     console=stderr)
+
+
+def progress_stage(bar):
+    """A verify `Stage` that adds one bar per stage: (description, total) -> advance()."""
+    def stage(description: str, total: int):
+        task = bar.add_task(description, total=total)
+        return lambda: bar.advance(task)
+    return stage
+
+
+def verification_table(rows: list, title: str, caption: str) -> Table:
+    """One row per check of `specdec verify-distribution` (rows: verify.Row)."""
+    table = Table(title=title, caption=caption)
+    for name in ("check", "what", "samples", "statistic", "p-value", "TV (upper bound)", "threshold", "result"):
+        table.add_column(name, justify="right" if name in ("samples", "p-value") else "left")
+    for r in rows:
+        tv = "n/a" if r.tv is None else f"{r.tv:.3f} (<= {r.tv_bound:.3f})"
+        result = "[green]PASS[/]" if r.passed else "[bold red]FAIL[/]"
+        what = f"{r.what}\n[dim]{r.note}[/]" if r.note else r.what
+        table.add_row(r.check, what, str(r.samples), r.statistic, fmt(r.p_value, ".3g"), tv, r.threshold, result)
+    return table

@@ -5,6 +5,7 @@ from __future__ import annotations
 import platform
 from dataclasses import dataclass
 
+import huggingface_hub
 import torch
 import transformers
 from transformers import PreTrainedTokenizerBase
@@ -103,6 +104,7 @@ def check_tokenizers(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizer
 
 def load_pair(config: Config) -> Pair:
     transformers.utils.logging.disable_progress_bar()  # specdec shows its own status on stderr
+    huggingface_hub.utils.logging.set_verbosity_error()  # one Error: line, not a log of hub retries
     runtime = config.runtime
     if runtime.threads:
         torch.set_num_threads(runtime.threads)
