@@ -156,7 +156,7 @@ def run_benchmark(pair: Pair, prompts: list[Prompt], plan: Plan, on_run: OnRun |
     try:
         if plan.warmup and prompts:
             first = Prompt(prompts[0].id, prompts[0].category, prompts[0].turns[:1])
-            for mode in modes:  # one short greedy-or-not generation per mode, thrown away
+            for mode in modes:  # short generations that pay one-time costs; not recorded
                 warm = make_generator(pair, mode, plan, min(WARMUP_TOKENS, plan.max_new_tokens))
                 for _ in range(plan.warmup):
                     run_prompt(pair, first, warm, plan)

@@ -8,6 +8,7 @@ safetensors under the specdec cache, so later loads take a second instead of a d
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -19,8 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
                           PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast)
 
 from specdec_cli.config import ModelSpec, TinyModel
@@ -40,13 +42,18 @@ BUILTIN_MODELS = {
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
+# A distilled draft (see distill.py) stores only its own layers; these tensors come from its target.
+DRAFT_INFO = "specdec-draft.json"
+SHARED = ("model.embed_tokens.weight", "lm_head.weight")
+
 
 def cache_dir() -> Path:
     return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec")).expanduser()
 
 
-def load_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype
-               ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype,
+               target: PreTrainedModel | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """`target` is given when loading a draft: a distilled draft borrows its tensors."""
     if spec.tiny is not None:
         model, tokenizer = build_tiny(spec.tiny), byte_tokenizer()
         return model.to(device=device, dtype=dtype).eval(), tokenizer
@@ -54,11 +61,32 @@ def load_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype
     kwargs = {"revision": spec.revision, "trust_remote_code": spec.trust_remote_code}
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
+        if (Path(folder) / DRAFT_INFO).is_file():
+            return load_shared_draft(Path(folder), target, dtype).to(device).eval(), tokenizer
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
     except (OSError, ValueError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise SpecdecError(f"cannot load checkpoint {spec.checkpoint!r}: {first_line}") from None
     return model.to(device).eval(), tokenizer
+
+
+def load_shared_draft(folder: Path, target: PreTrainedModel | None, dtype: torch.dtype) -> PreTrainedModel:
+    """A distilled draft: its own weights from the folder, the SHARED tensors from the target."""
+    if target is None:
+        raise SpecdecError(f"{folder} is a distilled draft: it can only be loaded as the draft of a target")
+    config = AutoConfig.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_config(config).to(dtype)
+    own = load_file(folder / "model.safetensors")
+    borrowed = target.state_dict()
+    expected = model.state_dict()
+    for name in SHARED:
+        if name not in borrowed or borrowed[name].shape != expected[name].shape:
+            trained_for = json.loads((folder / DRAFT_INFO).read_text()).get("target", "another target")
+            raise SpecdecError(f"draft {folder} was distilled for {trained_for}: this target's {name} "
+                               "does not fit it")
+    state = {name: weight.to(dtype) for name, weight in own.items()} | {n: borrowed[n] for n in SHARED}
+    model.load_state_dict(state, strict=True, assign=True)
+    return model
 
 
 def resolve_checkpoint(name: str) -> str:

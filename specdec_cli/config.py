@@ -182,7 +182,12 @@ def load_config(name_or_path: str | None) -> Config:
         raise SpecdecError(f"config {path}: malformed YAML{at}: {problem}") from None
     except OSError as exc:
         raise SpecdecError(f"config {path}: cannot read: {exc.strerror}") from None
-    return parse_config(data, source=str(path))
+    config = parse_config(data, source=str(path))
+    for spec in (config.target, config.draft):
+        # a relative checkpoint path is relative to the config file, when it exists there
+        if spec.checkpoint and (path.parent / spec.checkpoint).exists():
+            spec.checkpoint = str((path.parent / spec.checkpoint).resolve())
+    return config
 
 
 def apply_overrides(config: Config, overrides: dict[str, Any]) -> Config:

@@ -60,16 +60,7 @@ class Pair:
                                   self.eos_token_ids)
 
     def encode(self, prompt: str, raw: bool = False, history: list[dict] | None = None) -> list[int]:
-        """Token ids of a prompt: through the chat template when the tokenizer has one (unless raw).
-        `history` holds earlier turns of a conversation as chat messages."""
-        if not prompt.strip():
-            raise SpecdecError("the prompt is empty")
-        if self.tokenizer.chat_template and not raw:
-            messages = (history or []) + [{"role": "user", "content": prompt}]
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
-        else:
-            ids = self.tokenizer.encode(prompt)
-        return list(ids)
+        return encode_prompt(self.tokenizer, prompt, raw, history)
 
     def check_fits(self, prompt_ids: list[int], max_new_tokens: int) -> None:
         limit = self.target.context_length
@@ -90,6 +81,18 @@ class Pair:
             "versions": {"specdec": specdec_cli.__version__, "torch": torch.__version__,
                          "transformers": transformers.__version__, "python": platform.python_version()},
         }
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, raw: bool = False,
+                  history: list[dict] | None = None) -> list[int]:
+    """Token ids of a prompt: through the chat template when the tokenizer has one (unless raw).
+    `history` holds earlier turns of a conversation as chat messages."""
+    if not prompt.strip():
+        raise SpecdecError("the prompt is empty")
+    if tokenizer.chat_template and not raw:
+        messages = (history or []) + [{"role": "user", "content": prompt}]
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+    return list(tokenizer.encode(prompt))
 
 
 def check_tokenizers(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase) -> None:
@@ -117,7 +120,7 @@ def load_pair(config: Config) -> Pair:
     if config.draft.ngram is not None:
         drafter = NgramDrafter(config.draft.ngram.max_n, config.draft.ngram.min_n, vocab_size, device)
     else:
-        draft_model, draft_tokenizer = load_model(config.draft, device, dtype)
+        draft_model, draft_tokenizer = load_model(config.draft, device, dtype, target=model)
         check_tokenizers(tokenizer, draft_tokenizer)
         drafter = ModelDrafter(CachedModel(draft_model, vocab_size, static))
     return Pair(config, tokenizer, target, drafter, device, dtype)

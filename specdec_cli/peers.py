@@ -30,7 +30,9 @@ def hf_generator(pair: Pair, params: SamplingParams, gamma: int, max_new_tokens:
         "do_sample": not params.greedy,
     }
     if not params.greedy:
-        settings.update(temperature=params.temperature, top_k=params.top_k or None, top_p=params.top_p)
+        # explicit values even when they disable a warper: generate() fills unset ones with its own
+        # defaults (top_k 50), which would sample from a different distribution than specdec
+        settings.update(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
     extra = {}
     if gamma and isinstance(pair.drafter, NgramDrafter):
         settings.update(prompt_lookup_num_tokens=gamma, max_matching_ngram_size=pair.drafter.max_n)

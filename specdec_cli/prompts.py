@@ -56,6 +56,12 @@ def builtin_suite() -> list[Prompt]:
     return _parse(data.read_text(encoding="utf-8"), "benchmark_prompts.jsonl", is_jsonl=True)
 
 
+def training_prompts() -> list[Prompt]:
+    """Prompts for `specdec distill`, disjoint from the benchmark suite (a test checks it)."""
+    data = resources.files("specdec_cli") / "data" / "training_prompts.txt"
+    return _parse(data.read_text(encoding="utf-8"), "training_prompts.txt", is_jsonl=False)
+
+
 def select(prompts: list[Prompt], category: str | None, limit: int | None) -> list[Prompt]:
     """Keep prompts of `category` (all if None), then the first `limit` of each category.
 

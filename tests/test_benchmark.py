@@ -1,0 +1,206 @@
+"""specdec benchmark: aggregation on hand-made records, and end-to-end runs on tiny real models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from specdec_cli.benchmark import (Plan, gate_failures, per_token_acceptance, run_benchmark, summarize,
+                                   summarize_mode)
+from specdec_cli.cli import app
+from specdec_cli.config import parse_config
+from specdec_cli.errors import EXIT_BAD_INPUT, EXIT_GATE_FAILED
+from specdec_cli.metrics import StepRecord
+from specdec_cli.pair import load_pair
+from specdec_cli.prompts import Prompt
+
+# draft identical to the target: every draft token is accepted, greedy or sampled
+SAME_PAIR = {
+    "name": "tiny-same",
+    "target": {"tiny": {"seed": 0}},
+    "draft": {"tiny": {"seed": 0}},
+    "sampling": {"temperature": 0.0, "seed": 0},
+    "speculation": {"num_draft_tokens": 3},
+    "generation": {"max_new_tokens": 12, "ignore_eos": True},  # a multiple of gamma + 1 for gamma 1, 2, 3
+    "runtime": {"device": "cpu", "dtype": "float32"},
+}
+
+runner = CliRunner()
+
+
+def run_cli(*args: str) -> tuple[int, str, str]:
+    result = runner.invoke(app, ["benchmark", *args])
+    return result.exit_code, result.stdout, result.stderr
+
+
+@pytest.fixture
+def same_config(tmp_path) -> Path:
+    path = tmp_path / "same.yaml"
+    path.write_text(yaml.safe_dump(SAME_PAIR))
+    return path
+
+
+@pytest.fixture
+def prompt_file(tmp_path) -> Path:
+    path = tmp_path / "questions.jsonl"
+    lines = [{"question_id": 1, "category": "chat", "turns": ["Hello there", "And again"]},
+             {"question_id": 2, "category": "qa", "turns": ["Why?"]}]
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    return path
+
+
+def make_run(prompt_id: str, gamma: int, tps: list[float], steps: list[list], category: str = "c") -> dict:
+    repeats = [{"tokens_per_second": t, "end_to_end_tokens_per_second": t, "prefill_seconds": 0.1,
+                "steps": steps} for t in tps]
+    return {"prompt_id": prompt_id, "category": category, "temperature": 0.0, "gamma": gamma,
+            "engine": "specdec", "repeats": repeats}
+
+
+BASE_STEPS = [[0, 0, 1, 0.0, 0.5]] * 4
+SPEC_STEPS = [[4, 4, 5, 0.4, 1.0], [4, 1, 2, 0.4, 1.0], [4, 2, 3, 0.4, 1.0], [2, 2, 2, 0.2, 0.6]]
+
+
+def test_summarize_mode_on_hand_made_records():
+    baseline = [make_run("a", 0, [10.0, 12.0], BASE_STEPS), make_run("b", 0, [30.0, 28.0], BASE_STEPS)]
+    speculative = [make_run("a", 4, [20.0, 30.0], SPEC_STEPS), make_run("b", 4, [40.0, 50.0], SPEC_STEPS)]
+    row = summarize_mode(baseline, speculative, gamma=4)
+    # per repeat: mean spec / mean base = 30/20 and 40/20; median of the two, then the range
+    assert row["speedup"] == pytest.approx((1.75, 1.5, 2.0))
+    assert row["baseline_tokens_per_second"] == pytest.approx((20.0, 20.0, 20.0))
+    assert row["mean_accepted_length"] == 3.0  # (5 + 2 + 3 + 2) / 4
+    assert row["acceptance_rate"] == pytest.approx(9 / 14)
+    assert row["acceptance_by_position"] == pytest.approx([1.0, 0.75, 1 / 3, 1 / 3])
+    assert row["per_token_acceptance"] == pytest.approx(9 / 11)  # 9 accepted, 2 rejections
+    c = (1.4 / 14) / 0.5  # draft seconds per draft token / target-only seconds per forward
+    assert row["cost_ratio"] == pytest.approx(c)
+    alpha = 9 / 11
+    assert row["predicted_speedup"] == pytest.approx((1 - alpha**5) / ((1 - alpha) * (4 * c + 1)))
+
+
+def test_per_token_acceptance_counts_only_tested_positions():
+    steps = [StepRecord(4, 1, 2, 0, 0), StepRecord(4, 0, 1, 0, 0), StepRecord(4, 4, 5, 0, 0)]
+    assert per_token_acceptance(steps) == pytest.approx(5 / 7)
+    assert per_token_acceptance([StepRecord(0, 0, 1, 0, 0)]) is None
+
+
+def test_summarize_groups_by_category_and_skips_prompts_missing_a_mode():
+    runs = [make_run("a", 0, [10.0], BASE_STEPS, "x"), make_run("a", 4, [20.0], SPEC_STEPS, "x"),
+            make_run("b", 0, [10.0], BASE_STEPS, "y"), make_run("b", 4, [40.0], SPEC_STEPS, "y"),
+            make_run("c", 0, [10.0], BASE_STEPS, "y")]  # interrupted before its speculative run
+    rows = {r["group"]: r for r in summarize(runs)}
+    assert set(rows) == {"x", "y", "overall"}
+    assert rows["y"]["prompts"] == 1 and rows["y"]["speedup"][0] == pytest.approx(4.0)
+    assert rows["overall"]["speedup"][0] == pytest.approx(3.0)
+
+
+def test_gate_failures_name_the_mode():
+    rows = summarize([make_run("a", 0, [10.0], BASE_STEPS), make_run("a", 4, [15.0], SPEC_STEPS)])
+    assert gate_failures(rows, 1.4, 3.0) == []
+    assert gate_failures(rows, 2.0, 3.5) == ["speedup 1.50 < 2 (greedy, γ=4)",
+                                             "mean accepted length 3.00 < 3.5 (greedy, γ=4)"]
+
+
+def test_identical_draft_accepts_everything_end_to_end(same_config):
+    code, out, err = run_cli("-c", str(same_config), "--gamma", "1,3", "--temperatures", "0,1",
+                             "--category", "qa", "--limit", "1", "--repeats", "2", "--json")
+    assert code == 0, err
+    record = json.loads(out)
+    assert record["command"] == "benchmark" and record["partial"] is False
+    assert {"environment", "config", "settings", "summary", "runs", "prompt_set"} <= set(record)
+    assert len(record["runs"]) == 2 * 3  # 2 temperatures x (baseline + 2 gammas), one prompt
+    assert all(len(r["repeats"]) == 2 for r in record["runs"])
+    rows = [r for r in record["summary"] if r["group"] == "overall"]
+    assert [(r["temperature"], r["gamma"]) for r in rows] == [(0.0, 1), (0.0, 3), (1.0, 1), (1.0, 3)]
+    for row in rows:
+        assert row["mean_accepted_length"] == row["gamma"] + 1
+        assert row["acceptance_rate"] == 1.0
+        assert row["acceptance_by_position"] == [1.0] * row["gamma"]
+    folder = Path(err.split("Record: ")[1].split("record.json")[0].replace("\n", ""))
+    assert json.loads((folder / "record.json").read_text())["summary"] == record["summary"]
+    assert "Speedup by category" in (folder / "report.md").read_text()
+
+
+def test_prompt_file_multi_turn_counts_both_turns(same_config, prompt_file):
+    code, out, err = run_cli("-c", str(same_config), "--prompts", str(prompt_file), "--temperatures", "0",
+                             "--warmup", "0", "--json")
+    assert code == 0, err
+    record = json.loads(out)
+    assert [p["category"] for p in record["prompt_set"]] == ["chat", "qa"]
+    new_tokens = {r["prompt_id"]: r["repeats"][0]["new_tokens"] for r in record["runs"] if r["gamma"] == 0}
+    assert new_tokens == {"1": 24, "2": 12}  # two turns of 12 tokens, one turn of 12
+
+
+def test_text_prompts_and_table_output(same_config, tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("first prompt\n\nsecond prompt\n")
+    code, out, err = run_cli("-c", str(same_config), "--prompts", str(path), "--temperatures", "0",
+                             "--warmup", "0")
+    assert code == 0, err
+    assert "Speedup by category" in out and "Leviathan" in out and "default" in out
+
+
+def test_malformed_prompt_file_is_a_clear_error(same_config, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "ok"}\n{"prompt": \n')
+    code, _, err = run_cli("-c", str(same_config), "--prompts", str(path))
+    assert code == EXIT_BAD_INPUT
+    assert "bad.jsonl:2: malformed JSON" in err
+
+
+def test_bad_gamma_list_is_a_clear_error(same_config):
+    code, _, err = run_cli("-c", str(same_config), "--gamma", "1,two")
+    assert code == EXIT_BAD_INPUT and "--gamma" in err
+
+
+def test_unreachable_accept_length_gate_exits_4(same_config):
+    code, out, err = run_cli("-c", str(same_config), "--category", "qa", "--temperatures", "0", "--warmup", "0",
+                             "--min-accept-length", "5", "--min-speedup", "0")
+    assert code == EXIT_GATE_FAILED
+    assert "mean accepted length 4.00 < 5 (greedy, γ=3)" in err
+    assert "Speedup by category" in out  # the results are shown and written before the gate fails
+
+
+def test_compare_two_records(same_config, tmp_path):
+    folders = []
+    for gamma in ("1", "3"):
+        code, out, err = run_cli("-c", str(same_config), "--category", "qa", "--temperatures", "0",
+                                 "--warmup", "0", "--gamma", gamma, "--json")
+        assert code == 0, err
+        folders.append(Path(err.split("Record: ")[1].split("record.json")[0].replace("\n", "")))
+    code, out, err = run_cli("--compare", str(folders[0]), str(folders[0] / "record.json"), "--json")
+    assert code == 0, err
+    rows = json.loads(out)["rows"]
+    assert ["greedy, γ=1", "mean accepted length", "2.000", "2.000", "1.00×"] in rows
+    code, out, err = run_cli("--compare", str(folders[0]), str(folders[1]))
+    assert code == 0 and "Compare" in out  # no common (temperature, gamma): an empty table, no crash
+
+
+def test_hf_peer_runs_beside_specdec(tmp_path):
+    path = tmp_path / "ngram.yaml"
+    path.write_text(yaml.safe_dump({**SAME_PAIR, "draft": {"ngram": {"max_n": 3}}}))
+    code, out, err = run_cli("-c", str(path), "--category", "qa", "--temperatures", "0,1", "--warmup", "0",
+                             "--peer", "hf", "--json")
+    assert code == 0, err
+    record = json.loads(out)
+    assert [(p["engine"], p["temperature"]) for p in record["peers"]] == [("hf", 0.0), ("hf", 1.0)]
+    assert "same loaded models" in record["peer_fairness"]
+    hf_runs = [r for r in record["runs"] if r["engine"] == "hf"]
+    assert all(r["repeats"][0]["new_tokens"] == 12 for r in hf_runs)  # ignore_eos honoured
+
+
+def test_interrupt_keeps_finished_prompts():
+    pair = load_pair(parse_config(SAME_PAIR))
+    prompts = [Prompt("a", "c", ("one",)), Prompt("b", "c", ("two",)), Prompt("c", "c", ("three",))]
+    plan = Plan([0.0], [2], 6, repeats=1, warmup=0, ignore_eos=True, seed=0, top_k=0, top_p=1.0)
+
+    def interrupt_at_second(i: int, n: int, prompt: Prompt, mode) -> None:
+        if i == 1 and mode.gamma == 2:
+            raise KeyboardInterrupt
+
+    runs, partial = run_benchmark(pair, prompts, plan, interrupt_at_second)
+    assert partial is True
+    assert [(r["prompt_id"], r["gamma"]) for r in runs] == [("a", 0), ("a", 2)]
