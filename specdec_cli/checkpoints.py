@@ -19,7 +19,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import huggingface_hub
 import torch
+import transformers
 from safetensors.torch import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
@@ -54,6 +56,8 @@ def cache_dir() -> Path:
 def load_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype,
                target: PreTrainedModel | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """`target` is given when loading a draft: a distilled draft borrows its tensors."""
+    transformers.utils.logging.disable_progress_bar()  # specdec shows its own status on stderr
+    huggingface_hub.utils.logging.set_verbosity_error()  # one Error: line, not a log of hub retries
     if spec.tiny is not None:
         model, tokenizer = build_tiny(spec.tiny), byte_tokenizer()
         return model.to(device=device, dtype=dtype).eval(), tokenizer

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -144,9 +145,9 @@ def benchmark(
 @reports_errors
 def verify_distribution(
     prompt: Annotated[Optional[list[str]], typer.Option(
-        "--prompt", "-p", help="Prompt text; repeat for several [default: two built-in prompts].")] = None,
+        "--prompt", "-p", help="Prompt text; repeat for several (default: two built-in prompts).")] = None,
     samples: Annotated[Optional[int], typer.Option(
-        help="Speculative runs per prompt [default: 1000 for models under 50M parameters, else 150].")] = None,
+        help="Speculative runs per prompt (default: 1000 for models under 50M parameters, else 150).")] = None,
     significance: Annotated[float, typer.Option(
         help="Family-wise significance of the statistical tests (Holm-corrected).")] = 0.01,
     config: ConfigOpt = None, temperature: TemperatureOpt = None, top_k: TopKOpt = None, top_p: TopPOpt = None,
@@ -167,6 +168,62 @@ def verify_distribution(
                     generation__max_new_tokens=max_new_tokens, runtime__device=device, runtime__dtype=dtype,
                     runtime__threads=threads)
     run_verification(cfg, prompt or [], samples, significance, as_json)
+
+
+@app.command(epilog="""Examples:\n
+  specdec distill --out drafts/my-draft\n
+  specdec distill -c configs/my-target.yaml --out drafts/x --prompts prompts.txt --steps 500 --layers 1""")
+@reports_errors
+def distill(
+    out: Annotated[Path, typer.Option(help="Folder for the draft; an unfinished run there resumes.")],
+    config: ConfigOpt = None,
+    prompts: Annotated[Optional[Path], typer.Option(
+        help="Training prompts (text, JSONL or Spec-Bench JSONL) [default: the built-in training set].")] = None,
+    layers: Annotated[int, typer.Option(min=1, help="Decoder layers of the draft.")] = 2,
+    steps: Annotated[int, typer.Option(min=1, help="Training steps.")] = 2000,
+    batch_size: Annotated[int, typer.Option(min=1, help="Sequences per step.")] = 4,
+    learning_rate: Annotated[float, typer.Option(min=0.0, help="AdamW peak learning rate.")] = 5e-4,
+    answers_per_prompt: Annotated[int, typer.Option(min=1, help="Target answers sampled per prompt.")] = 8,
+    answer_tokens: Annotated[int, typer.Option(min=1, help="Most tokens per target answer.")] = 192,
+    eval_every: Annotated[int, typer.Option(min=1, help="Steps between held-out evaluations.")] = 200,
+    seed: SeedOpt = None, device: DeviceOpt = None,
+    dtype: Annotated[str, typer.Option(help="Dtype of the target while training (its forward is most of "
+                                            "the cost).")] = "bfloat16",
+    threads: ThreadsOpt = None,
+) -> None:
+    """Train a small draft model for the config's target on text the target writes itself (KL to the
+    target's next-token distributions). The draft shares the target's embeddings and head by
+    reference, so the saved folder holds only its own layers; name it as `draft: {checkpoint: PATH}`."""
+    import torch
+
+    from specdec_cli import distill as distillation
+    from specdec_cli.checkpoints import load_model
+    from specdec_cli.pair import DTYPES, encode_prompt, resolve_device
+    from specdec_cli.prompts import load_prompts, training_prompts
+
+    cfg = configure(config, sampling__seed=seed, runtime__device=device, runtime__dtype=dtype,
+                    runtime__threads=threads)
+    settings = distillation.DistillSettings(
+        num_layers=layers, answers_per_prompt=answers_per_prompt, answer_tokens=answer_tokens, steps=steps,
+        batch_size=batch_size, learning_rate=learning_rate, eval_every=eval_every, seed=cfg.sampling.seed)
+    texts = [p.turns[0] for p in (load_prompts(prompts) if prompts else training_prompts())]
+    if cfg.runtime.threads:
+        torch.set_num_threads(cfg.runtime.threads)
+    device = resolve_device(cfg.runtime.device)
+    with display.stderr.status(f"Loading {cfg.target.describe()}..."):
+        target, tokenizer = load_model(cfg.target, device, DTYPES.get(cfg.runtime.dtype, torch.float32))
+    work = out / distillation.WORK  # corpus and training state: what a resumed run continues from
+    work.mkdir(parents=True, exist_ok=True)
+    corpus = distillation.build_corpus(target, tokenizer, [encode_prompt(tokenizer, t) for t in texts],
+                                       settings, work)
+    draft, log = distillation.train(target, tokenizer, corpus, settings, work)
+    distillation.save_draft(draft, tokenizer, out, cfg.target.describe(), log, settings)
+    shutil.rmtree(work)
+    folder = records.write_record("distill", cfg.name, {
+        "command": "distill", "name": cfg.name, "timestamp": records.timestamp(), "out": str(out),
+        "corpus_sequences": len(corpus), "corpus_tokens": sum(map(len, corpus)), "settings": vars(settings),
+        "log": log, "config": cfg.to_dict()})
+    display.stderr.print(f"Draft saved to {out}: name it as `draft: {{checkpoint: {out}}}`. Record: {folder}")
 
 
 def main() -> None:

@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 
 from specdec_cli import display
 from specdec_cli.checkpoints import DRAFT_INFO, SHARED
+from specdec_cli.pair import eos_token_ids
 
 WORK = "distill-work"  # subfolder of the output: corpus and training state until training ends
 CORPUS = "corpus.pt"
@@ -60,7 +61,8 @@ def build_corpus(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pr
     corpus: list[list[int]] = torch.load(path) if path.is_file() else []
     jobs = [ids for ids in prompts for _ in range(settings.answers_per_prompt)]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    batch = 8
+    eos = eos_token_ids(target, tokenizer)
+    batch = 32  # sampling many answers at once is far faster than one by one
     with progress() as bar:
         task = bar.add_task("Target writes the corpus", total=len(jobs), completed=len(corpus), info="")
         for start in range(len(corpus), len(jobs), batch):
@@ -74,7 +76,8 @@ def build_corpus(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pr
                                       do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                                       max_new_tokens=settings.answer_tokens, pad_token_id=pad)
             for ids, row in zip(group, out_ids[:, width:].tolist()):
-                corpus.append(ids + [t for t in row if t != pad])
+                ends = [i for i, t in enumerate(row) if t in eos]  # keep the EOS, drop the padding after it
+                corpus.append(ids + row[:ends[0] + 1] if ends else ids + row)
             torch.save(corpus, path)
             bar.update(task, completed=len(corpus))
     return corpus

@@ -5,10 +5,9 @@ from __future__ import annotations
 import platform
 from dataclasses import dataclass
 
-import huggingface_hub
 import torch
 import transformers
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import specdec_cli
 from specdec_cli.cached_model import CachedModel
@@ -47,11 +46,7 @@ class Pair:
 
     @property
     def eos_token_ids(self) -> set[int]:
-        ids = self.target.model.generation_config.eos_token_id
-        ids = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
+        return eos_token_ids(self.target.model, self.tokenizer)
 
     def decoder(self, params: SamplingParams, speculative: bool = True,
                 num_draft_tokens: int | None = None) -> SpeculativeDecoder:
@@ -83,6 +78,15 @@ class Pair:
         }
 
 
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """End-of-sequence ids from the generation config (one or a list) and the tokenizer."""
+    ids = model.generation_config.eos_token_id
+    ids = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, raw: bool = False,
                   history: list[dict] | None = None) -> list[int]:
     """Token ids of a prompt: through the chat template when the tokenizer has one (unless raw).
@@ -106,8 +110,6 @@ def check_tokenizers(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizer
 
 
 def load_pair(config: Config) -> Pair:
-    transformers.utils.logging.disable_progress_bar()  # specdec shows its own status on stderr
-    huggingface_hub.utils.logging.set_verbosity_error()  # one Error: line, not a log of hub retries
     runtime = config.runtime
     if runtime.threads:
         torch.set_num_threads(runtime.threads)
