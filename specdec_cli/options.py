@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from specdec_cli.config import Config, apply_overrides, load_config
+from specdec_cli.config import DEFAULT_CONFIG, Config, apply_overrides, load_config
 from specdec_cli.errors import SpecdecError
 from specdec_cli.sampling import SamplingParams
 
@@ -18,7 +18,7 @@ EXIT_INTERRUPTED = 130
 
 # Options shared by every command. A flag overrides the YAML when given, including 0 and false.
 ConfigOpt = Annotated[Optional[str], typer.Option(
-    "--config", "-c", help="YAML config: a path, or a name in ./configs/ [default: smollm2-ngram].")]
+    "--config", "-c", help=f"YAML config: a path, or a name in ./configs/ (default: {DEFAULT_CONFIG}).")]
 TemperatureOpt = Annotated[Optional[float], typer.Option(help="Sampling temperature; 0 is greedy.")]
 TopKOpt = Annotated[Optional[int], typer.Option(help="Keep the k most likely tokens; 0 disables.")]
 TopPOpt = Annotated[Optional[float], typer.Option(help="Nucleus mass in (0, 1]; 1 disables.")]

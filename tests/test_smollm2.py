@@ -28,7 +28,9 @@ def test_greedy_ngram_speculation_equals_target_alone(pair, prompt):
     baseline = pair.decoder(SamplingParams(), speculative=False).generate(ids, 32, seed=0)
     result = pair.decoder(SamplingParams(), num_draft_tokens=4).generate(ids, 32, seed=0)
     assert result.token_ids == baseline.token_ids
-    assert len(result.steps) < len(baseline.steps) or sum(s.accepted for s in result.steps) == 0
+    # each prompt repeats some of its own words, so drafts are accepted and forwards saved
+    assert sum(s.accepted for s in result.steps) > 0
+    assert len(result.steps) < len(baseline.steps)
 
 
 def test_chat_template_is_applied(pair):
