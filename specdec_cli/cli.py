@@ -102,13 +102,13 @@ def benchmark(
     config: ConfigOpt = None,
     prompts: Annotated[Optional[Path], typer.Option(
         help="Spec-Bench question.jsonl, JSONL of {\"prompt\": ...}, or text (a prompt per line) "
-             "[default: the built-in suite, 1 prompt per category].")] = None,
+             "(default: the built-in suite, 1 prompt per category).")] = None,
     category: Annotated[Optional[str], typer.Option(help="Only prompts of this category.")] = None,
     limit: Annotated[Optional[int], typer.Option(help="At most this many prompts per category.")] = None,
     gamma: Annotated[Optional[str], typer.Option(
-        "--gamma", "-k", help="Draft lengths to sweep, e.g. 1,2,4 [default: the config's].")] = None,
+        "--gamma", "-k", help="Draft lengths to sweep, e.g. 1,2,4 (default: the config's).")] = None,
     temperatures: Annotated[Optional[str], typer.Option(
-        help="Temperatures, e.g. 0,0.7,1.0 [default: 0 and the config's, 1.0 if it is greedy].")] = None,
+        help="Temperatures, e.g. 0,0.7,1.0 (default: 0 and the config's, 1.0 if it is greedy).")] = None,
     max_new_tokens: MaxNewOpt = None, ignore_eos: IgnoreEosOpt = None, seed: SeedOpt = None,
     repeats: Annotated[int, typer.Option(help="Runs per prompt and mode; median and range reported.")] = 1,
     warmup: Annotated[int, typer.Option(help="Unmeasured warm-up generations per mode.")] = 1,
@@ -178,7 +178,7 @@ def distill(
     out: Annotated[Path, typer.Option(help="Folder for the draft; an unfinished run there resumes.")],
     config: ConfigOpt = None,
     prompts: Annotated[Optional[Path], typer.Option(
-        help="Training prompts (text, JSONL or Spec-Bench JSONL) [default: the built-in training set].")] = None,
+        help="Training prompts (text, JSONL or Spec-Bench JSONL) (default: the built-in training set).")] = None,
     layers: Annotated[int, typer.Option(min=1, help="Decoder layers of the draft.")] = 2,
     steps: Annotated[int, typer.Option(min=1, help="Training steps.")] = 2000,
     batch_size: Annotated[int, typer.Option(min=1, help="Sequences per step.")] = 4,

@@ -29,7 +29,7 @@ class TinyModel:
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 128
-    max_position_embeddings: int = 1024
+    max_position_embeddings: int = 4096
     init_std: float = 0.3  # larger than Llama's 0.02 so distributions are peaked, not near-uniform
     seed: int = 0
     noise: float = 0.0  # std of Gaussian noise added to every weight: a draft that partly agrees

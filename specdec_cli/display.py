@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import sys
+
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 from transformers import PreTrainedTokenizerBase
 
-stdout = Console(highlight=False, soft_wrap=True)
-stderr = Console(stderr=True, highlight=False)
+# piped output has no terminal width: give wide tables room instead of rich's 80 columns
+PIPED_WIDTH = 160
+stdout = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else PIPED_WIDTH)
+stderr = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else PIPED_WIDTH)
 quiet = Console(quiet=True)  # for output that is collected but not shown
 
 DRAFT_STYLE = "green"  # tokens the target accepted from the draft

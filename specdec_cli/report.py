@@ -14,7 +14,8 @@ SPEEDUP_FORMULA = ("speedup = mean over prompts of speculative decode tok/s / me
                    "decode tok/s (Spec-Bench); decode excludes prefill")
 LEVIATHAN = ("predicted = (1 - α^(γ+1)) / ((1 - α)(γc + 1)) (Leviathan et al. 2023), α = accepted / "
              "(accepted + rejections), c = draft s per draft token / target-only s per forward, both "
-             "measured here; predicted above measured is what the loop's overhead costs")
+             "measured here; the formula takes a (γ+1)-token verification to cost one forward, so predicted "
+             "above measured is that extra verification cost plus the loop's overhead")
 
 PEER_FAIRNESS = ("Fair by construction: transformers generate() runs the same loaded models (same weights, dtype, "
                  "device, threads) on the same encoded prompts with the same max_new_tokens, EOS ids (ignore_eos "
