@@ -75,11 +75,12 @@ def generation_table(stats: dict, env: dict, title: str) -> Table:
 
 
 def progress():
-    """A progress bar on stderr for long measurements (benchmark: prompt i of n, current mode)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    """A progress bar on stderr for long work (benchmark prompts, verify stages, distill steps)."""
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
 
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=stderr)
+                    TimeRemainingColumn(), console=stderr)
 
 
 def progress_stage(bar):

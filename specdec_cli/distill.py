@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -48,11 +47,6 @@ class DistillSettings:
     seed: int = 0
 
 
-def progress() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=display.stderr)
-
-
 @torch.inference_mode()
 def build_corpus(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]],
                  settings: DistillSettings, out: Path) -> list[list[int]]:
@@ -63,8 +57,8 @@ def build_corpus(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pr
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = eos_token_ids(target, tokenizer)
     batch = 32  # sampling many answers at once is far faster than one by one
-    with progress() as bar:
-        task = bar.add_task("Target writes the corpus", total=len(jobs), completed=len(corpus), info="")
+    with display.progress() as bar:
+        task = bar.add_task("Target writes the corpus", total=len(jobs), completed=len(corpus))
         for start in range(len(corpus), len(jobs), batch):
             group = jobs[start:start + batch]
             width = max(map(len, group))
@@ -191,8 +185,8 @@ def train(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, corpus: l
 
     stream = batches(training, settings.batch_size, settings.seed, step)
     draft.train()
-    with progress() as bar:
-        task = bar.add_task("Training the draft", total=settings.steps, completed=step, info="")
+    with display.progress() as bar:
+        task = bar.add_task("Training the draft", total=settings.steps, completed=step)
         try:
             while step < settings.steps:
                 ids, mask = pad_batch(next(stream), pad, target.device)
@@ -204,7 +198,7 @@ def train(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, corpus: l
                 optimizer.step()
                 schedule.step()
                 step += 1
-                bar.update(task, completed=step, info=f"KL {loss.item():.3f}")
+                bar.update(task, completed=step, description=f"Training the draft (KL {loss.item():.3f})")
                 if step % settings.eval_every == 0 or step == settings.steps:
                     draft.eval()
                     log.append({"step": step, "kl": loss.item(), **evaluate(target, draft, heldout, pad)})
