@@ -148,7 +148,7 @@ def convert_gguf(gguf_path: Path, target: Path | None = None) -> Path:
         raise SpecdecError(f"cannot read GGUF file {gguf_path}: {exc}") from None
     # A GGUF-loaded model refuses save_pretrained: rebuild a plain one from its config and weights.
     config = gguf_model.config
-    config.quantization_config = None
+    config.quantization_config = None  # set, then delete: the key is gone whether or not it was there
     del config.quantization_config
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)

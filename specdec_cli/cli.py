@@ -217,7 +217,7 @@ def distill(
     corpus = distillation.build_corpus(target, tokenizer, [encode_prompt(tokenizer, t) for t in texts],
                                        settings, work)
     draft, log = distillation.train(target, tokenizer, corpus, settings, work)
-    distillation.save_draft(draft, tokenizer, out, cfg.target.describe(), log, settings)
+    distillation.save_draft(draft, target, tokenizer, out, cfg.target.describe(), log, settings)
     shutil.rmtree(work)
     folder = records.write_record("distill", cfg.name, {
         "command": "distill", "name": cfg.name, "timestamp": records.timestamp(), "out": str(out),

@@ -81,8 +81,7 @@ def init_draft(target: PreTrainedModel, num_layers: int) -> PreTrainedModel:
     """A shallow copy of the target: evenly spaced layers (first and last included), the target's
     final norm, and the target's embedding and head tensors themselves (frozen, shared)."""
     config = target.config.__class__.from_dict(target.config.to_dict())
-    total = config.num_hidden_layers
-    chosen = [round(i * (total - 1) / max(num_layers - 1, 1)) for i in range(num_layers)]
+    chosen = spaced_layers(config.num_hidden_layers, num_layers)
     config.num_hidden_layers = num_layers
     config.layer_types = None  # re-derived for the new depth where the architecture uses it
     draft = AutoModelForCausalLM.from_config(config).to(device=target.device, dtype=torch.float32)
@@ -94,8 +93,12 @@ def init_draft(target: PreTrainedModel, num_layers: int) -> PreTrainedModel:
     draft.lm_head = target.lm_head
     for name, param in draft.named_parameters():
         param.requires_grad = name not in SHARED
-    draft.chosen_layers = chosen
     return draft
+
+
+def spaced_layers(total: int, count: int) -> list[int]:
+    """`count` evenly spaced indices of `total` layers, the first and the last among them."""
+    return [round(i * (total - 1) / max(count - 1, 1)) for i in range(count)]
 
 
 def batches(corpus: list[list[int]], batch_size: int, seed: int, step: int):
@@ -123,15 +126,15 @@ def pad_batch(group: list[list[int]], pad: int, device: torch.device) -> tuple[t
 
 
 def distributions(target: PreTrainedModel, draft: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Target log-probs (no grad), draft log-probs, and the mask of positions that predict a token."""
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target log-probs (no grad) and draft log-probs at the positions that predict a token."""
     with torch.no_grad():
         p_log = target(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1)
     # the shared embedding and head are in the target's dtype (bfloat16 for speed): compute in it
     with torch.autocast(device_type=ids.device.type, dtype=target.dtype, enabled=target.dtype != torch.float32):
         q_log = draft(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1)
     positions = mask[:, 1:].bool()  # position t predicts token t + 1, which must exist
-    return p_log[:, :-1][positions], q_log[:, :-1][positions], positions
+    return p_log[:, :-1][positions], q_log[:, :-1][positions]
 
 
 def kl_loss(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
@@ -146,7 +149,7 @@ def evaluate(target: PreTrainedModel, draft: PreTrainedModel, heldout: list[list
     agree = accept = count = 0.0
     for start in range(0, len(heldout), 4):
         ids, mask = pad_batch(heldout[start:start + 4], pad, target.device)
-        p_log, q_log, _ = distributions(target, draft, ids, mask)
+        p_log, q_log = distributions(target, draft, ids, mask)
         agree += (p_log.argmax(-1) == q_log.argmax(-1)).sum().item()
         accept += torch.minimum(p_log.exp(), q_log.exp()).sum().item()
         count += p_log.shape[0]
@@ -190,7 +193,7 @@ def train(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, corpus: l
         try:
             while step < settings.steps:
                 ids, mask = pad_batch(next(stream), pad, target.device)
-                p_log, q_log, _ = distributions(target, draft, ids, mask)
+                p_log, q_log = distributions(target, draft, ids, mask)
                 loss = kl_loss(p_log, q_log)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
@@ -219,8 +222,8 @@ def format_eval(entry: dict) -> str:
             f"expected acceptance (T=1) {entry['expected_acceptance']:.3f}")
 
 
-def save_draft(draft: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path, target_name: str,
-               log: list[dict], settings: DistillSettings) -> Path:
+def save_draft(draft: PreTrainedModel, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path,
+               target_name: str, log: list[dict], settings: DistillSettings) -> Path:
     """config.json + the draft's own weights (bfloat16) + the target's tokenizer + specdec-draft.json."""
     own = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in draft.state_dict().items()
            if k not in SHARED}
@@ -228,7 +231,8 @@ def save_draft(draft: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: 
     save_file(own, out / "model.safetensors", metadata={"format": "pt"})
     tokenizer.save_pretrained(out)
     info = {"target": target_name, "shared_from_target": sorted(SHARED),
-            "initialised_from_target_layers": draft.chosen_layers, "settings": vars(settings),
+            "initialised_from_target_layers": spaced_layers(
+                target.config.num_hidden_layers, draft.config.num_hidden_layers), "settings": vars(settings),
             "log": log}
     (out / DRAFT_INFO).write_text(json.dumps(info, indent=2) + "\n")
     return out

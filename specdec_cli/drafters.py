@@ -2,7 +2,7 @@
 
 A drafter sees the same context as the target. `propose` (gamma >= 1) returns up to gamma tokens
 [1, g] and their draft distributions q [1, g, V], warped like the target's p (None when greedy);
-`commit` tells it how many were accepted and which token the target produced next.
+`commit` hands back those draft ids, how many were accepted and which token the target produced next.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ class ModelDrafter:
     def __init__(self, model: CachedModel):
         self.model = model
         self.pending: list[int] = []  # context tokens not yet in the draft cache
-        self.drafted: torch.Tensor | None = None
 
     def start(self, prompt_ids: list[int], max_tokens: int) -> None:
         self.model.reset(max_tokens)
@@ -46,15 +45,14 @@ class ModelDrafter:
             tokens.append(token)
             next_input = token[:, None]
         self.pending = []  # all fed except the last draft token, which commit() settles
-        self.drafted = torch.stack(tokens, dim=1)
         # greedy verification never reads q
-        return self.drafted, torch.stack(probs, dim=1) if probs else None
+        return torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None
 
-    def commit(self, num_accepted: int, next_token: int) -> None:
-        gamma = self.drafted.shape[1]
+    def commit(self, draft_ids: list[int], num_accepted: int, next_token: int) -> None:
+        gamma = len(draft_ids)
         if num_accepted == gamma:
             # the last draft token was never fed to the draft model: catch up on it now
-            self.pending = [int(self.drafted[0, -1]), next_token]
+            self.pending = [draft_ids[-1], next_token]
         else:
             self.model.rollback(gamma - 1 - num_accepted)
             self.pending = [next_token]
@@ -69,7 +67,6 @@ class NgramDrafter:
         self.vocab_size = vocab_size
         self.device = device
         self.context: list[int] = []
-        self.drafted: list[int] = []
 
     def start(self, prompt_ids: list[int], max_tokens: int) -> None:
         self.context = list(prompt_ids)
@@ -86,10 +83,9 @@ class NgramDrafter:
 
     def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        self.drafted = self.lookup(gamma)
-        tokens = torch.tensor([self.drafted], dtype=torch.long, device=self.device).view(1, -1)
+        tokens = torch.tensor([self.lookup(gamma)], dtype=torch.long, device=self.device).view(1, -1)
         probs = None if params.greedy else F.one_hot(tokens, self.vocab_size).float()
         return tokens, probs
 
-    def commit(self, num_accepted: int, next_token: int) -> None:
-        self.context += self.drafted[:num_accepted] + [next_token]
+    def commit(self, draft_ids: list[int], num_accepted: int, next_token: int) -> None:
+        self.context += draft_ids[:num_accepted] + [next_token]

@@ -26,7 +26,7 @@ class Drafter(Protocol):
     def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
-    def commit(self, num_accepted: int, next_token: int) -> None: ...
+    def commit(self, draft_ids: list[int], num_accepted: int, next_token: int) -> None: ...
 
 
 # called after each block with the tokens it added and how many of them were accepted draft tokens
@@ -134,13 +134,14 @@ class SpeculativeDecoder:
                 if draft_probs is None:  # target-only: nothing to test, sample from p
                     draft_probs = target_probs[:, :0]
                 num_accepted, next_token = verify_sampled(drafts, draft_probs, target_probs, generator)
-            accepted, token = torch.stack([num_accepted[0], next_token[0]]).tolist()  # one sync per block
+            # the one host sync of the block: accepted count, next token and the draft ids together
+            accepted, token, *draft_ids = torch.cat([num_accepted, next_token, drafts[0]]).tolist()
             verify_end = clock.mark()
 
             self.target.rollback(drafted - accepted)
             if self.drafter is not None and gamma:
-                self.drafter.commit(accepted, token)
-            new_tokens = drafts[0, :accepted].tolist() + [token]
+                self.drafter.commit(draft_ids, accepted, token)
+            new_tokens = draft_ids[:accepted] + [token]
             last_token = next_token[:, None]
             emitted, hit_eos = self._emit(result, new_tokens, ignore_eos)
             marks.append((block_start, draft_end, verify_end, drafted, accepted, emitted))
