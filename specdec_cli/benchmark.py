@@ -39,9 +39,11 @@ class Measure:
     prefill_seconds: float | None = 0.0  # None: the generator cannot time prefill apart (transformers)
     decode_seconds: float = 0.0  # with prefill_seconds None: the whole call
     steps: list[StepRecord] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # all turns' answers, concatenated
 
     def add(self, other: Measure) -> None:
         self.new_tokens += other.new_tokens
+        self.token_ids += other.token_ids
         if self.prefill_seconds is None or other.prefill_seconds is None:
             self.prefill_seconds = None
         else:
@@ -59,6 +61,7 @@ class Measure:
             "end_to_end_tokens_per_second": _rate(self.new_tokens, total),
             # compact: [drafted, accepted, emitted, draft_seconds, verify_seconds] per target forward
             "steps": [[s.drafted, s.accepted, s.emitted, s.draft_seconds, s.verify_seconds] for s in self.steps],
+            "token_ids": self.token_ids,
         }
 
 
@@ -117,7 +120,7 @@ def specdec_generator(pair: Pair, mode: Mode, plan: Plan, max_new_tokens: int) -
 
     def generate(prompt_ids: list[int], seed: int) -> tuple[list[int], Measure]:
         r = decoder.generate(prompt_ids, max_new_tokens, seed, ignore_eos=plan.ignore_eos)
-        return r.token_ids, Measure(len(r.token_ids), r.prefill_seconds, r.decode_seconds, r.steps)
+        return r.token_ids, Measure(len(r.token_ids), r.prefill_seconds, r.decode_seconds, r.steps, r.token_ids)
 
     return generate
 
@@ -228,9 +231,18 @@ def summarize_mode(baseline: list[dict], speculative: list[dict], gamma: int) ->
         "draft_time_share": draft_time_share(spec_steps),
         "cost_ratio": c,
         "predicted_speedup": predicted_speedup(alpha, gamma, c) if alpha is not None and c is not None else None,
+        "greedy_identical": greedy_identical(baseline, speculative),
         "baseline_prefill_seconds": _mean_prefill(baseline),
         "speculative_prefill_seconds": _mean_prefill(speculative),
     }
+
+
+def greedy_identical(baseline: list[dict], speculative: list[dict]) -> int | None:
+    """Prompts whose greedy speculative output equals the target-only output, token for token (None
+    when sampled, or for records from before token ids were kept)."""
+    if baseline[0]["temperature"] != 0 or "token_ids" not in baseline[0]["repeats"][0]:
+        return None
+    return sum(b["repeats"][0]["token_ids"] == s["repeats"][0]["token_ids"] for b, s in zip(baseline, speculative))
 
 
 def _mean_prefill(runs: list[dict]) -> float | None:

@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
+
+from specdec_cli.distilled import feature_inputs
+
+
+class Output(NamedTuple):
+    logits: torch.Tensor  # [1, n or 1, vocab_size] float32
+    hidden: torch.Tensor | None  # [1, n, hidden] the last layer's states (what the head reads), if asked
 
 
 class CachedModel:
@@ -34,17 +43,21 @@ class CachedModel:
                       else DynamicCache(config=config))
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
-        """Append input_ids [1, n] to the sequence; logits [1, n or 1, vocab_size] in float32."""
-        out = self.model(input_ids=input_ids, cache=self.cache, use_cache=True,
+    def forward(self, input_ids: torch.Tensor, last_only: bool = False, hidden: bool = False,
+                features: torch.Tensor | None = None) -> Output:
+        """Append input_ids [1, n] to the sequence. `features` [1, n, hidden] are the target's states
+        that a feature draft (see distilled.py) reads beside each token."""
+        inputs = ({"input_ids": input_ids} if features is None
+                  else {"inputs_embeds": feature_inputs(self.model, input_ids, features)})
+        out = self.model(**inputs, cache=self.cache, use_cache=True, output_hidden_states=hidden,
                          logits_to_keep=1 if last_only else 0)
         logits = out.logits.float()
         width = logits.shape[-1]
         if width > self.vocab_size:
-            return logits[..., : self.vocab_size]
-        if width < self.vocab_size:
-            return torch.nn.functional.pad(logits, (0, self.vocab_size - width), value=float("-inf"))
-        return logits
+            logits = logits[..., : self.vocab_size]
+        elif width < self.vocab_size:
+            logits = torch.nn.functional.pad(logits, (0, self.vocab_size - width), value=float("-inf"))
+        return Output(logits, out.hidden_states[-1] if hidden else None)
 
     def rollback(self, num_tokens: int) -> None:
         """Forget the last num_tokens tokens."""

@@ -8,7 +8,6 @@ safetensors under the specdec cache, so later loads take a second instead of a d
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -22,12 +21,12 @@ from pathlib import Path
 import huggingface_hub
 import torch
 import transformers
-from safetensors.torch import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
+from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
                           PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast)
 
 from specdec_cli.config import ModelSpec, TinyModel
+from specdec_cli.distilled import DRAFT_INFO, load_draft
 from specdec_cli.errors import SpecdecError
 
 
@@ -43,11 +42,6 @@ BUILTIN_MODELS = {
 }
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
-
-# A distilled draft (see distill.py) stores only its own layers; these tensors come from its target.
-DRAFT_INFO = "specdec-draft.json"
-SHARED = ("model.embed_tokens.weight", "lm_head.weight")
-
 
 def cache_dir() -> Path:
     return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec")).expanduser()
@@ -66,31 +60,12 @@ def load_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype,
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
         if (Path(folder) / DRAFT_INFO).is_file():
-            return load_shared_draft(Path(folder), target, dtype).to(device).eval(), tokenizer
+            return load_draft(Path(folder), target, dtype).to(device).eval(), tokenizer
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
     except (OSError, ValueError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise SpecdecError(f"cannot load checkpoint {spec.checkpoint!r}: {first_line}") from None
     return model.to(device).eval(), tokenizer
-
-
-def load_shared_draft(folder: Path, target: PreTrainedModel | None, dtype: torch.dtype) -> PreTrainedModel:
-    """A distilled draft: its own weights from the folder, the SHARED tensors from the target."""
-    if target is None:
-        raise SpecdecError(f"{folder} is a distilled draft: it can only be loaded as the draft of a target")
-    config = AutoConfig.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_config(config).to(dtype)
-    own = load_file(folder / "model.safetensors")
-    borrowed = target.state_dict()
-    expected = model.state_dict()
-    for name in SHARED:
-        if name not in borrowed or borrowed[name].shape != expected[name].shape:
-            trained_for = json.loads((folder / DRAFT_INFO).read_text()).get("target", "another target")
-            raise SpecdecError(f"draft {folder} was distilled for {trained_for}: this target's {name} "
-                               "does not fit it")
-    state = {name: weight.to(dtype) for name, weight in own.items()} | {n: borrowed[n] for n in SHARED}
-    model.load_state_dict(state, strict=True, assign=True)
-    return model
 
 
 def resolve_checkpoint(name: str) -> str:

@@ -172,28 +172,32 @@ def verify_distribution(
 
 @app.command(epilog="""Examples:\n
   specdec distill --out drafts/my-draft\n
-  specdec distill -c configs/my-target.yaml --out drafts/x --prompts prompts.txt --steps 500 --layers 1""")
+  specdec distill -c configs/my-target.yaml --out drafts/x --prompts prompts.txt --steps 500 --layers 2""")
 @reports_errors
 def distill(
     out: Annotated[Path, typer.Option(help="Folder for the draft; an unfinished run there resumes.")],
     config: ConfigOpt = None,
     prompts: Annotated[Optional[Path], typer.Option(
         help="Training prompts (text, JSONL or Spec-Bench JSONL) (default: the built-in training set).")] = None,
-    layers: Annotated[int, typer.Option(min=1, help="Decoder layers of the draft.")] = 2,
+    layers: Annotated[int, typer.Option(min=1, help="Decoder layers of the draft.")] = 1,
+    vocab: Annotated[int, typer.Option(min=1, help="Tokens the draft's head scores (the ones with the most "
+                                               "target probability in the corpus); the rest it never proposes.")] = 8192,
     steps: Annotated[int, typer.Option(min=1, help="Training steps.")] = 2000,
-    batch_size: Annotated[int, typer.Option(min=1, help="Sequences per step.")] = 4,
-    learning_rate: Annotated[float, typer.Option(min=0.0, help="AdamW peak learning rate.")] = 5e-4,
-    answers_per_prompt: Annotated[int, typer.Option(min=1, help="Target answers sampled per prompt.")] = 8,
+    batch_size: Annotated[int, typer.Option(min=1, help="Answers per step.")] = 8,
+    learning_rate: Annotated[float, typer.Option(min=0.0, help="AdamW peak learning rate.")] = 1e-3,
+    answers_per_prompt: Annotated[int, typer.Option(
+        min=0, help="Target answers sampled at temperature 1 per prompt, besides one greedy answer.")] = 4,
     answer_tokens: Annotated[int, typer.Option(min=1, help="Most tokens per target answer.")] = 192,
-    eval_every: Annotated[int, typer.Option(min=1, help="Steps between held-out evaluations.")] = 200,
+    eval_every: Annotated[int, typer.Option(min=1, help="Steps between held-out evaluations.")] = 250,
     seed: SeedOpt = None, device: DeviceOpt = None,
-    dtype: Annotated[str, typer.Option(help="Dtype of the target while training (its forward is most of "
-                                            "the cost).")] = "bfloat16",
+    dtype: Annotated[str, typer.Option(help="Dtype of the target while it writes the corpus (most of the "
+                                            "cost).")] = "bfloat16",
     threads: ThreadsOpt = None,
 ) -> None:
-    """Train a small draft model for the config's target on text the target writes itself (KL to the
-    target's next-token distributions). The draft shares the target's embeddings and head by
-    reference, so the saved folder holds only its own layers; name it as `draft: {checkpoint: PATH}`."""
+    """Train a small feature draft (EAGLE-style: it reads the target's hidden states) for the config's
+    target on text the target writes itself, matching the target's next-token distributions. The
+    draft borrows the target's embedding and the head rows of its vocabulary by reference, so the
+    saved folder holds only its own layers; name it as `draft: {checkpoint: PATH}`."""
     import torch
 
     from specdec_cli import distill as distillation
@@ -204,7 +208,8 @@ def distill(
     cfg = configure(config, sampling__seed=seed, runtime__device=device, runtime__dtype=dtype,
                     runtime__threads=threads)
     settings = distillation.DistillSettings(
-        num_layers=layers, answers_per_prompt=answers_per_prompt, answer_tokens=answer_tokens, steps=steps,
+        num_layers=layers, draft_vocab=vocab, answers_per_prompt=answers_per_prompt, answer_tokens=answer_tokens,
+        steps=steps,
         batch_size=batch_size, learning_rate=learning_rate, eval_every=eval_every, seed=cfg.sampling.seed)
     texts = [p.turns[0] for p in (load_prompts(prompts) if prompts else training_prompts())]
     if cfg.runtime.threads:
@@ -217,11 +222,11 @@ def distill(
     corpus = distillation.build_corpus(target, tokenizer, [encode_prompt(tokenizer, t) for t in texts],
                                        settings, work)
     draft, log = distillation.train(target, tokenizer, corpus, settings, work)
-    distillation.save_draft(draft, target, tokenizer, out, cfg.target.describe(), log, settings)
+    distillation.save(draft, target, tokenizer, out, cfg.target.describe(), log, settings)
     shutil.rmtree(work)
     folder = records.write_record("distill", cfg.name, {
         "command": "distill", "name": cfg.name, "timestamp": records.timestamp(), "out": str(out),
-        "corpus_sequences": len(corpus), "corpus_tokens": sum(map(len, corpus)), "settings": vars(settings),
+        "corpus_answers": len(corpus), "corpus_answer_tokens": sum(len(a["answer"]) for a in corpus), "settings": vars(settings),
         "log": log, "config": cfg.to_dict()})
     display.stderr.print(f"Draft saved to {out}: name it as `draft: {{checkpoint: {out}}}`. Record: {folder}")
 

@@ -17,7 +17,7 @@ import yaml
 
 from specdec_cli.errors import SpecdecError
 
-DEFAULT_CONFIG = "smollm2-ngram"  # name of a file in configs/
+DEFAULT_CONFIG = "smollm2-draft"  # name of a file in configs/
 
 
 @dataclass

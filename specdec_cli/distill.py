@@ -1,107 +1,127 @@
 """Train a small draft model for a target: `specdec distill`.
 
-1. Corpus: the target answers the training prompts itself (sampled at temperature 1, several answers
-   per prompt), so the draft learns the text it will actually be asked to predict.
-2. Draft (Llama-style models: `model.layers`, `model.norm`): a few decoder layers of the target's width, initialised from evenly spaced target layers,
-   sharing the target's embeddings, final norm's shape and LM head. The shared tensors are frozen and
-   stored by reference (`specdec-draft.json` names them), so the checkpoint holds only the new layers.
-3. Training: KL(p_target || q_draft) at every position of the corpus, teacher-forced.
-   Held-out greedy agreement and expected acceptance sum(min(p, q)) are printed as it goes.
+1. Corpus: the target answers the training prompts itself, once greedily and several times sampled
+   at temperature 1, so the draft learns the text it will be asked to predict in both modes. While
+   it writes, the target's own next-token distribution at every answer position is kept (its top-k),
+   so training never runs the target again.
+2. Draft (see distilled.py): a few decoder layers initialised from evenly spaced target layers, the
+   target's embedding, and the target's head restricted to the tokens that carry most of the
+   target's probability mass in the corpus.
+3. Training: cross-entropy of the draft against the target's top-k distribution (KL up to a
+   constant) at every answer position, teacher-forced. Held-out greedy agreement (on greedy
+   answers) and expected acceptance sum(min(p, q)) at temperature 1 (on sampled answers) are
+   printed as it goes.
 
-The corpus and training state live in the output folder until training ends, so an interrupted run
+Corpus shards and training state live in a work folder until training ends, so an interrupted run
 resumes where it stopped.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdec_cli import display
-from specdec_cli.checkpoints import DRAFT_INFO, SHARED
+from specdec_cli.distilled import feature_inputs, init_draft, own_weights, save_draft, spaced_layers
 from specdec_cli.pair import eos_token_ids
 
 WORK = "distill-work"  # subfolder of the output: corpus and training state until training ends
-CORPUS = "corpus.pt"
 STATE = "train-state.pt"
+FEATURES = "target-features.pt"
+GENERATION_BATCH = 32  # sampling many answers at once is far faster than one by one
 
 
 @dataclass
 class DistillSettings:
-    num_layers: int = 2
-    answers_per_prompt: int = 8
+    num_layers: int = 1
+    draft_steps: int = 2  # draft positions trained: the 1st reads target states, later ones its own
+    answers_per_prompt: int = 4  # sampled at temperature 1, plus one greedy answer
     answer_tokens: int = 192
+    top_k: int = 32  # target probabilities kept per position
+    draft_vocab: int = 8192
     steps: int = 2000
-    batch_size: int = 4
-    learning_rate: float = 5e-4
-    eval_every: int = 200
-    heldout_fraction: float = 0.05
+    batch_size: int = 8
+    learning_rate: float = 1e-3
+    eval_every: int = 250
+    heldout_prompts: float = 0.04
     seed: int = 0
+
+
+@dataclass
+class Job:
+    prompt_index: int
+    greedy: bool
+
+
+def corpus_batches(num_prompts: int, answers_per_prompt: int) -> list[list[Job]]:
+    """Generation batches, each all greedy or all sampled: greedy answers first, then the rest."""
+    greedy = [Job(i, True) for i in range(num_prompts)]
+    sampled = [Job(i, False) for i in range(num_prompts) for _ in range(answers_per_prompt)]
+    return [jobs[s:s + GENERATION_BATCH] for jobs in (greedy, sampled) for s in range(0, len(jobs), GENERATION_BATCH)]
 
 
 @torch.inference_mode()
 def build_corpus(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]],
-                 settings: DistillSettings, out: Path) -> list[list[int]]:
-    """Prompt + target-sampled answer token ids, saved after every batch so a restart keeps them."""
-    path = out / CORPUS
-    corpus: list[list[int]] = torch.load(path) if path.is_file() else []
-    jobs = [ids for ids in prompts for _ in range(settings.answers_per_prompt)]
+                 settings: DistillSettings, work: Path) -> list[dict]:
+    """One dict per answer: prompt ids, answer ids, the target's top-k ids and log-probs at each
+    answer position. Written in shards of one generation batch, so a restart keeps what is done."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = eos_token_ids(target, tokenizer)
-    batch = 32  # sampling many answers at once is far faster than one by one
+    groups = corpus_batches(len(prompts), settings.answers_per_prompt)
+    corpus: list[dict] = []
     with display.progress() as bar:
-        task = bar.add_task("Target writes the corpus", total=len(jobs), completed=len(corpus))
-        for start in range(len(corpus), len(jobs), batch):
-            group = jobs[start:start + batch]
-            width = max(map(len, group))
-            # left padding, so every answer starts right after its prompt
-            input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in group])
-            mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in group])
-            torch.manual_seed(settings.seed * 1_000_003 + start)  # deterministic, and per batch on resume
-            out_ids = target.generate(input_ids=input_ids.to(target.device), attention_mask=mask.to(target.device),
-                                      do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                      max_new_tokens=settings.answer_tokens, pad_token_id=pad)
-            for ids, row in zip(group, out_ids[:, width:].tolist()):
-                ends = [i for i, t in enumerate(row) if t in eos]  # keep the EOS, drop the padding after it
-                corpus.append(ids + row[:ends[0] + 1] if ends else ids + row)
-            torch.save(corpus, path)
-            bar.update(task, completed=len(corpus))
+        task = bar.add_task("Target writes the corpus", total=sum(map(len, groups)))
+        for shard, group in enumerate(groups):
+            path = work / f"corpus-{shard:05d}.pt"
+            if not path.is_file():
+                torch.manual_seed(settings.seed * 1_000_003 + shard)  # deterministic, also on resume
+                torch.save(answer_batch(target, [prompts[j.prompt_index] for j in group], group[0].greedy,
+                                        pad, eos, settings), path)
+            corpus += torch.load(path)
+            bar.update(task, advance=len(group))
     return corpus
 
 
-def init_draft(target: PreTrainedModel, num_layers: int) -> PreTrainedModel:
-    """A shallow copy of the target: evenly spaced layers (first and last included), the target's
-    final norm, and the target's embedding and head tensors themselves (frozen, shared)."""
-    config = target.config.__class__.from_dict(target.config.to_dict())
-    chosen = spaced_layers(config.num_hidden_layers, num_layers)
-    config.num_hidden_layers = num_layers
-    config.layer_types = None  # re-derived for the new depth where the architecture uses it
-    draft = AutoModelForCausalLM.from_config(config).to(device=target.device, dtype=torch.float32)
-    with torch.no_grad():
-        for mine, theirs in zip(draft.model.layers, chosen):
-            mine.load_state_dict(target.model.layers[theirs].state_dict())
-        draft.model.norm.load_state_dict(target.model.norm.state_dict())
-    draft.model.embed_tokens = target.model.embed_tokens
-    draft.lm_head = target.lm_head
-    for name, param in draft.named_parameters():
-        param.requires_grad = name not in SHARED
-    return draft
+def answer_batch(target: PreTrainedModel, prompts: list[list[int]], greedy: bool, pad: int, eos: set[int],
+                 settings: DistillSettings) -> list[dict]:
+    width = max(map(len, prompts))
+    # left padding, so every answer starts right after its prompt
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompts], device=target.device)
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts], device=target.device)
+    sampling = {} if greedy else {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    out = target.generate(input_ids=input_ids, attention_mask=mask, do_sample=not greedy, **sampling,
+                          max_new_tokens=settings.answer_tokens, pad_token_id=pad,
+                          return_dict_in_generate=True, output_logits=True)
+    # the raw (unwarped) distribution that produced each answer token
+    top = [step.float().log_softmax(-1).topk(settings.top_k, dim=-1) for step in out.logits]
+    top_logp = torch.stack([t.values for t in top], dim=1)  # [batch, steps, k]
+    top_ids = torch.stack([t.indices for t in top], dim=1)
+    answers = []
+    for row, ids in enumerate(prompts):
+        answer = out.sequences[row, width:].tolist()
+        ends = [i for i, t in enumerate(answer) if t in eos]  # keep the EOS, drop the padding after it
+        n = ends[0] + 1 if ends else len(answer)
+        answers.append({"prompt": ids, "answer": answer[:n], "greedy": greedy,
+                        "top_ids": top_ids[row, :n].int().cpu(), "top_logp": top_logp[row, :n].half().cpu()})
+    return answers
 
 
-def spaced_layers(total: int, count: int) -> list[int]:
-    """`count` evenly spaced indices of `total` layers, the first and the last among them."""
-    return [round(i * (total - 1) / max(count - 1, 1)) for i in range(count)]
+def choose_vocabulary(corpus: list[dict], vocab_size: int, size: int, eos: set[int]) -> torch.Tensor:
+    """The `size` tokens with the most target probability mass over the corpus' answer positions
+    (EOS always among them), in id order."""
+    mass = torch.zeros(vocab_size)
+    for answer in corpus:
+        mass.index_add_(0, answer["top_ids"].flatten().long(), answer["top_logp"].flatten().float().exp())
+    mass[sorted(eos)] = math.inf
+    return mass.topk(min(size, vocab_size)).indices.sort().values
 
 
-def batches(corpus: list[list[int]], batch_size: int, seed: int, step: int):
+def batches(corpus: list[dict], batch_size: int, seed: int, step: int):
     """Endless shuffled batches; deterministic given the seed, and resumable at any step."""
     order: list[int] = []
     epoch = 0
@@ -118,51 +138,130 @@ def batches(corpus: list[list[int]], batch_size: int, seed: int, step: int):
         yield [corpus[i] for i in group]
 
 
-def pad_batch(group: list[list[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, group))
-    ids = torch.tensor([seq + [pad] * (width - len(seq)) for seq in group], device=device)
-    mask = torch.tensor([[1] * len(seq) + [0] * (width - len(seq)) for seq in group], device=device)
+@torch.inference_mode()
+def add_target_features(target: PreTrainedModel, corpus: list[dict], pad: int, work: Path) -> None:
+    """The target's last hidden state at every token but the last of each answer's sequence, which
+    the draft reads beside the next token (kept in the work folder, so a restart skips this pass)."""
+    path = work / FEATURES
+    if path.is_file():
+        features = torch.load(path)
+    else:
+        features = []
+        with display.progress() as bar:
+            task = bar.add_task("Target hidden states", total=len(corpus))
+            for start in range(0, len(corpus), 8):
+                seqs = [a["prompt"] + a["answer"][:-1] for a in corpus[start:start + 8]]
+                ids, mask = pad_right(seqs, pad)
+                out = target(input_ids=ids.to(target.device), attention_mask=mask.to(target.device),
+                             output_hidden_states=True, logits_to_keep=1)
+                features += [out.hidden_states[-1][row, :len(seq)].cpu()
+                             for row, seq in enumerate(seqs)]
+                bar.update(task, advance=len(seqs))
+        torch.save(features, path)
+    for answer, state in zip(corpus, features):
+        answer["features"] = state
+
+
+def pad_right(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, seqs))
+    ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
     return ids, mask
 
 
-def distributions(target: PreTrainedModel, draft: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Target log-probs (no grad) and draft log-probs at the positions that predict a token."""
-    with torch.no_grad():
-        p_log = target(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1)
-    # the shared embedding and head are in the target's dtype (bfloat16 for speed): compute in it
-    with torch.autocast(device_type=ids.device.type, dtype=target.dtype, enabled=target.dtype != torch.float32):
-        q_log = draft(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1)
-    positions = mask[:, 1:].bool()  # position t predicts token t + 1, which must exist
-    return p_log[:, :-1][positions], q_log[:, :-1][positions]
+@dataclass
+class Batch:
+    ids: torch.Tensor  # [B, L] input j is token j + 1 of prompt + answer, right-padded ...
+    features: torch.Tensor  # [B, L, hidden] ... beside the target's state at token j
+    mask: torch.Tensor
+    rows: torch.Tensor  # [N] (row, column) of every input whose output predicts an answer token
+    cols: torch.Tensor
+    targets: torch.Tensor  # [N, k] the target's top-k as indices into the draft's vocabulary
+    weights: torch.Tensor  # [N, k] their target probabilities, 0 where the draft cannot score them
+    top1: torch.Tensor  # [N] the target's most likely token id
+    greedy: torch.Tensor  # [N] whether the position belongs to a greedy answer
 
 
-def kl_loss(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
-    return F.kl_div(q_log, p_log, log_target=True, reduction="batchmean")
+def make_batch(answers: list[dict], pad: int, to_subset: torch.Tensor, device: torch.device) -> Batch:
+    ids, mask = pad_right([a["prompt"][1:] + a["answer"] for a in answers], pad)
+    features = torch.nn.utils.rnn.pad_sequence([a["features"] for a in answers], batch_first=True)
+    # input j reads token j + 1 and predicts token j + 2: input P - 2 predicts the first answer token
+    # (after a one-token prompt no input does: the first token is never drafted)
+    rows = torch.cat([torch.full((len(a["answer"]),), i) for i, a in enumerate(answers)])
+    cols = torch.cat([torch.arange(len(a["answer"])) + len(a["prompt"]) - 2 for a in answers])
+    top_ids = torch.cat([a["top_ids"] for a in answers]).long()
+    subset = to_subset[top_ids]
+    weights = torch.cat([a["top_logp"] for a in answers]).float().exp() * (subset >= 0)
+    greedy = torch.cat([torch.full((len(a["answer"]),), a["greedy"]) for a in answers])
+    drafted = cols >= 0
+    return Batch(ids.to(device), features.to(device), mask.to(device),
+                 *(t[drafted].to(device) for t in (rows, cols, subset.clamp(min=0), weights, top_ids[:, 0], greedy)))
+
+
+def draft_log_probs(draft: PreTrainedModel, batch: Batch, autocast: torch.dtype | None,
+                    draft_steps: int) -> list[torch.Tensor]:
+    """Draft log-probs over its vocabulary subset [N, subset] at the batch's answer positions, as
+    the 1st, 2nd, ... token of a draft: after the first, the draft reads its own states instead of
+    the target's (as it does when drafting), so training sees what drafting sees."""
+    # the borrowed embedding and head are in the target's dtype (bfloat16 for speed): compute in it
+    log_probs = []
+    features = batch.features
+    with torch.autocast(device_type=batch.ids.device.type, dtype=autocast or torch.float32,
+                        enabled=autocast is not None):
+        for _ in range(draft_steps):
+            inputs = feature_inputs(draft, batch.ids, features)
+            hidden = draft.model(inputs_embeds=inputs, attention_mask=batch.mask).last_hidden_state
+            log_probs.append(draft.lm_head.scores(hidden[batch.rows, batch.cols]).float().log_softmax(-1))
+            # input j's output stands in for the target's state at token j + 1
+            features = torch.cat([batch.features[:, :1], hidden[:, :-1].to(features.dtype)], dim=1)
+    return log_probs
+
+
+def distillation_loss(log_probs: list[torch.Tensor], batch: Batch) -> torch.Tensor:
+    """Cross-entropy against the target's top-k probabilities, per position, over draft steps."""
+    return sum(-(batch.weights * q_log.gather(1, batch.targets)).sum(1).mean() for q_log in log_probs
+               ) / len(log_probs)
 
 
 @torch.no_grad()
-def evaluate(target: PreTrainedModel, draft: PreTrainedModel, heldout: list[list[int]], pad: int
-             ) -> dict[str, float]:
-    """Greedy agreement (draft argmax == target argmax) and expected acceptance at temperature 1,
-    sum_x min(p, q), over held-out positions."""
-    agree = accept = count = 0.0
-    for start in range(0, len(heldout), 4):
-        ids, mask = pad_batch(heldout[start:start + 4], pad, target.device)
-        p_log, q_log = distributions(target, draft, ids, mask)
-        agree += (p_log.argmax(-1) == q_log.argmax(-1)).sum().item()
-        accept += torch.minimum(p_log.exp(), q_log.exp()).sum().item()
-        count += p_log.shape[0]
-    return {"greedy_agreement": agree / count, "expected_acceptance": accept / count}
+def evaluate(draft: PreTrainedModel, heldout: list[dict], pad: int, to_subset: torch.Tensor,
+             autocast: torch.dtype | None, draft_steps: int) -> dict[str, list[float] | float]:
+    """Per draft step: greedy agreement (draft argmax == target argmax) on greedy answers, and
+    expected acceptance at temperature 1, sum_x min(p, q) over the target's top-k, on sampled
+    answers; and the share of the target's probability the draft's vocabulary covers."""
+    agree = [0.0] * draft_steps
+    accept = [0.0] * draft_steps
+    greedy_count = sampled_count = covered = 0.0
+    for start in range(0, len(heldout), 8):
+        batch = make_batch(heldout[start:start + 8], pad, to_subset, draft.device)
+        for k, q_log in enumerate(draft_log_probs(draft, batch, autocast, draft_steps)):
+            predicted = draft.lm_head.token_ids[q_log.argmax(-1)]
+            agree[k] += ((predicted == batch.top1) & batch.greedy).sum().item()
+            overlap = torch.minimum(batch.weights, q_log.gather(1, batch.targets).exp()).sum(1)
+            accept[k] += (overlap * ~batch.greedy).sum().item()
+        greedy_count += batch.greedy.sum().item()
+        sampled_count += (~batch.greedy).sum().item()
+        covered += batch.weights.sum().item()
+    return {"greedy_agreement": [a / max(greedy_count, 1) for a in agree],
+            "expected_acceptance": [a / max(sampled_count, 1) for a in accept],
+            "vocabulary_coverage": covered / max(greedy_count + sampled_count, 1)}
 
 
-def train(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, corpus: list[list[int]],
-          settings: DistillSettings, out: Path) -> tuple[PreTrainedModel, list[dict]]:
-    torch.manual_seed(settings.seed)
-    split = max(1, int(len(corpus) * settings.heldout_fraction))
-    heldout, training = corpus[:split], corpus[split:]  # corpus order is prompt-major: held-out prompts
+def train(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, corpus: list[dict],
+          settings: DistillSettings, work: Path) -> tuple[PreTrainedModel, list[dict]]:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    draft = init_draft(target, settings.num_layers)
+    add_target_features(target, corpus, pad, work)
+    torch.manual_seed(settings.seed)
+    num_prompts = len({tuple(a["prompt"]) for a in corpus})
+    heldout_prompts = {tuple(a["prompt"]) for a in corpus[:max(1, round(num_prompts * settings.heldout_prompts))]}
+    heldout = [a for a in corpus if tuple(a["prompt"]) in heldout_prompts]
+    training = [a for a in corpus if tuple(a["prompt"]) not in heldout_prompts]
+    vocab_size = target.get_output_embeddings().weight.shape[0]
+    token_ids = choose_vocabulary(training, vocab_size, settings.draft_vocab, eos_token_ids(target, tokenizer))
+    to_subset = torch.full((vocab_size,), -1, dtype=torch.long)
+    to_subset[token_ids] = torch.arange(len(token_ids))
+    draft = init_draft(target, settings.num_layers, token_ids)
+    autocast = target.dtype if target.dtype != torch.float32 else None
     trainable = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=settings.learning_rate, weight_decay=0.0)
     warmup = max(1, settings.steps // 20)
@@ -170,21 +269,29 @@ def train(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, corpus: l
         1 + math.cos(math.pi * min(s, settings.steps) / settings.steps)))
     log: list[dict] = []
     step = 0
-    state_path = out / STATE
+    state_path = work / STATE
     if state_path.is_file():
         state = torch.load(state_path, weights_only=False)
         draft.load_state_dict(state["draft"], strict=False)
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
         step, log = state["step"], state["log"]
-    if not log:
-        log.append({"step": 0, **evaluate(target, draft, heldout, pad)})
+
+    def evaluation(**extra) -> None:
+        draft.eval()
+        log.append({"step": step, **extra, **evaluate(draft, heldout, pad, to_subset, autocast, settings.draft_steps)})
+        draft.train()
         display.stderr.print(format_eval(log[-1]))
 
+    if not log:
+        display.stderr.print(f"Corpus: {len(training)} training answers "
+                             f"({sum(len(a['answer']) for a in training)} answer tokens), {len(heldout)} "
+                             f"held out; draft vocabulary {len(token_ids)} of {vocab_size} tokens")
+        evaluation()
+
     def save_state() -> None:
-        own = {k: v for k, v in draft.state_dict().items() if k not in SHARED}
-        torch.save({"draft": own, "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
-                    "step": step, "log": log}, state_path)
+        torch.save({"draft": own_weights(draft), "optimizer": optimizer.state_dict(),
+                    "schedule": schedule.state_dict(), "step": step, "log": log}, state_path)
 
     stream = batches(training, settings.batch_size, settings.seed, step)
     draft.train()
@@ -192,21 +299,17 @@ def train(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, corpus: l
         task = bar.add_task("Training the draft", total=settings.steps, completed=step)
         try:
             while step < settings.steps:
-                ids, mask = pad_batch(next(stream), pad, target.device)
-                p_log, q_log = distributions(target, draft, ids, mask)
-                loss = kl_loss(p_log, q_log)
+                batch = make_batch(next(stream), pad, to_subset, draft.device)
+                loss = distillation_loss(draft_log_probs(draft, batch, autocast, settings.draft_steps), batch)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(trainable, 1.0)
                 optimizer.step()
                 schedule.step()
                 step += 1
-                bar.update(task, completed=step, description=f"Training the draft (KL {loss.item():.3f})")
+                bar.update(task, completed=step, description=f"Training the draft (loss {loss.item():.3f})")
                 if step % settings.eval_every == 0 or step == settings.steps:
-                    draft.eval()
-                    log.append({"step": step, "kl": loss.item(), **evaluate(target, draft, heldout, pad)})
-                    draft.train()
-                    bar.console.print(format_eval(log[-1]))
+                    evaluation(loss=loss.item())
                     save_state()
         except KeyboardInterrupt:
             save_state()
@@ -217,22 +320,17 @@ def train(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, corpus: l
 
 
 def format_eval(entry: dict) -> str:
-    kl = f", KL {entry['kl']:.3f}" if "kl" in entry else ""
-    return (f"step {entry['step']}{kl}: held-out greedy agreement {entry['greedy_agreement']:.3f}, "
-            f"expected acceptance (T=1) {entry['expected_acceptance']:.3f}")
+    loss = f", loss {entry['loss']:.3f}" if "loss" in entry else ""
+    per_step = lambda values: " / ".join(f"{v:.3f}" for v in values)  # noqa: E731
+    return (f"step {entry['step']}{loss}: held-out greedy agreement {per_step(entry['greedy_agreement'])}, "
+            f"expected acceptance (T=1) {per_step(entry['expected_acceptance'])} (draft token 1 / 2 ...), "
+            f"vocabulary coverage {entry['vocabulary_coverage']:.3f}")
 
 
-def save_draft(draft: PreTrainedModel, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path,
-               target_name: str, log: list[dict], settings: DistillSettings) -> Path:
-    """config.json + the draft's own weights (bfloat16) + the target's tokenizer + specdec-draft.json."""
-    own = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in draft.state_dict().items()
-           if k not in SHARED}
-    draft.config.save_pretrained(out)
-    save_file(own, out / "model.safetensors", metadata={"format": "pt"})
-    tokenizer.save_pretrained(out)
-    info = {"target": target_name, "shared_from_target": sorted(SHARED),
-            "initialised_from_target_layers": spaced_layers(
-                target.config.num_hidden_layers, draft.config.num_hidden_layers), "settings": vars(settings),
-            "log": log}
-    (out / DRAFT_INFO).write_text(json.dumps(info, indent=2) + "\n")
-    return out
+def save(draft: PreTrainedModel, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path,
+         target_name: str, log: list[dict], settings: DistillSettings) -> None:
+    save_draft(draft, tokenizer, out, {
+        "target": target_name, "borrowed_from_target": ["input embedding", "LM head rows of its vocabulary"],
+        "initialised_from_target_layers": spaced_layers(target.config.num_hidden_layers,
+                                                        draft.config.num_hidden_layers),
+        "vocabulary_size": len(draft.lm_head.token_ids), "settings": vars(settings), "log": log})

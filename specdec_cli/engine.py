@@ -21,12 +21,15 @@ from specdec_cli.sampling import SamplingParams, verify_greedy, verify_sampled, 
 
 
 class Drafter(Protocol):
-    def start(self, prompt_ids: list[int], max_tokens: int) -> None: ...
+    uses_target_features: bool  # whether it reads the target's last hidden states (see drafters.py)
+
+    def start(self, prompt_ids: list[int], max_tokens: int, target_features: torch.Tensor | None) -> None: ...
 
     def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
-    def commit(self, draft_ids: list[int], num_accepted: int, next_token: int) -> None: ...
+    def commit(self, draft_ids: list[int], num_accepted: int, next_token: int,
+               target_features: torch.Tensor | None) -> None: ...
 
 
 # called after each block with the tokens it added and how many of them were accepted draft tokens
@@ -106,13 +109,16 @@ class SpeculativeDecoder:
         result = GenerationResult(prompt_ids=list(prompt_ids))
         max_tokens = len(prompt_ids) + max_new_tokens + self.gamma + 1
         clock = self.clock
+        features = self.drafter is not None and self.drafter.uses_target_features
 
         start = clock.mark()
         self.target.reset(max_tokens)
+        prompt_features = None
         if len(prompt_ids) > 1:
-            self.target.forward(torch.tensor([prompt_ids[:-1]], device=device), last_only=True)
+            prompt_features = self.target.forward(torch.tensor([prompt_ids[:-1]], device=device),
+                                                  last_only=True, hidden=features).hidden
         if self.drafter is not None:
-            self.drafter.start(prompt_ids, max_tokens)
+            self.drafter.start(prompt_ids, max_tokens, prompt_features)
         decode_start = clock.mark()
         result.prefill_seconds = clock.seconds(start, decode_start)
 
@@ -126,7 +132,8 @@ class SpeculativeDecoder:
                                    else (last_token[:, :0], None))
             drafted = drafts.shape[1]
             draft_end = clock.mark()
-            logits = self.target.forward(torch.cat([last_token, drafts], dim=1))  # [1, g + 1, V]
+            verified = self.target.forward(torch.cat([last_token, drafts], dim=1), hidden=features)
+            logits = verified.logits  # [1, g + 1, V]
             if self.params.greedy:
                 num_accepted, next_token = verify_greedy(drafts, logits)
             else:
@@ -140,7 +147,8 @@ class SpeculativeDecoder:
 
             self.target.rollback(drafted - accepted)
             if self.drafter is not None and gamma:
-                self.drafter.commit(draft_ids, accepted, token)
+                self.drafter.commit(draft_ids, accepted, token,
+                                    verified.hidden[:, :accepted + 1] if features else None)
             new_tokens = draft_ids[:accepted] + [token]
             last_token = next_token[:, None]
             emitted, hit_eos = self._emit(result, new_tokens, ignore_eos)

@@ -86,6 +86,8 @@ def detail_report(summary: list[dict]) -> Report:
         ("acceptance by draft position", lambda r: " ".join(fmt(p, ".2f") for p in r["acceptance_by_position"])),
         ("time drafting (vs verifying)", lambda r: fmt(r["draft_time_share"], ".1%")),
         ("cost ratio c", lambda r: fmt(r["cost_ratio"], ".3f")),
+        ("greedy output = target-only's", lambda r: "n/a" if r.get("greedy_identical") is None
+         else f"{r['greedy_identical']}/{r['prompts']} prompts"),
         ("prefill s per prompt, base / spec", lambda r: f"{fmt(r['baseline_prefill_seconds'], '.3f')} / "
                                                        f"{fmt(r['speculative_prefill_seconds'], '.3f')}"),
     ]

@@ -220,7 +220,7 @@ def check_sampler(vocab_size: int, params: SamplingParams, draws: int, seed: int
 def next_logits(pair: Pair, context: list[int]) -> torch.Tensor:
     """The target's next-token logits after `context` [V], from one fresh forward over all of it."""
     pair.target.reset(len(context))
-    return pair.target.forward(torch.tensor([context], device=pair.device), last_only=True)[0, -1]
+    return pair.target.forward(torch.tensor([context], device=pair.device), last_only=True).logits[0, -1]
 
 
 def target_distribution(pair: Pair, context: list[int], params: SamplingParams) -> np.ndarray:

@@ -81,6 +81,14 @@ def test_summarize_mode_on_hand_made_records():
     assert row["predicted_speedup"] == pytest.approx((1 - alpha**5) / ((1 - alpha) * (4 * c + 1)))
 
 
+def test_greedy_identical_counts_prompts_with_the_same_tokens():
+    runs = [make_run(p, g, [10.0], BASE_STEPS) for p in "ab" for g in (0, 4)]
+    for run, tokens in zip(runs, ([1, 2], [1, 2], [1, 2], [1, 3])):  # prompt b's speculative output differs
+        run["repeats"][0]["token_ids"] = tokens
+    overall = [r for r in summarize(runs) if r["group"] == "overall"]
+    assert overall[0]["greedy_identical"] == 1
+
+
 def test_per_token_acceptance_counts_only_tested_positions():
     steps = [StepRecord(4, 1, 2, 0, 0), StepRecord(4, 0, 1, 0, 0), StepRecord(4, 4, 5, 0, 0)]
     assert per_token_acceptance(steps) == pytest.approx(5 / 7)
@@ -119,6 +127,7 @@ def test_identical_draft_accepts_everything_end_to_end(same_config):
         assert row["mean_accepted_length"] == row["gamma"] + 1
         assert row["acceptance_rate"] == 1.0
         assert row["acceptance_by_position"] == [1.0] * row["gamma"]
+        assert row["greedy_identical"] == (row["prompts"] if row["temperature"] == 0 else None)
     folder = Path(err.split("Record: ")[1].split("record.json")[0].replace("\n", ""))
     assert json.loads((folder / "record.json").read_text())["summary"] == record["summary"]
     assert "Speedup by category" in (folder / "report.md").read_text()

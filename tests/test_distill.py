@@ -1,4 +1,5 @@
-"""`specdec distill` on a tiny random target: the draft learns, saves small, and decodes exactly."""
+"""`specdec distill` on a tiny random target: the feature draft learns, saves small, decodes exactly
+(greedy output identical, sampled output distributed as the target's), and refuses a wrong target."""
 
 from __future__ import annotations
 
@@ -7,44 +8,74 @@ import json
 import yaml
 from typer.testing import CliRunner
 
+from specdec_cli import verify
 from specdec_cli.cli import app
-from specdec_cli.checkpoints import DRAFT_INFO
+from specdec_cli.config import load_config
+from specdec_cli.distilled import DRAFT_INFO
+from specdec_cli.errors import EXIT_BAD_INPUT
+from specdec_cli.pair import load_pair
+from specdec_cli.sampling import SamplingParams
 
 runner = CliRunner()
 
 TARGET = {"tiny": {"seed": 0, "num_layers": 2}}
+PROMPTS = ["Hello there", "The quick brown fox", "Once upon a time", "Count to ten", "Write a poem",
+           "A list: one, two", "What is two plus two", "abc abc"]
 
 
 def test_distilled_draft_learns_and_decodes_exactly(tmp_path):
     config = tmp_path / "target.yaml"
     config.write_text(yaml.safe_dump({"name": "tiny", "target": TARGET, "draft": {"ngram": {}},
-                                      "runtime": {"device": "cpu"}}))
+                                      "runtime": {"device": "cpu", "threads": 1}}))
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(["Hello there", "The quick brown fox", "Once upon a time", "Count to ten",
-                                  "Write a poem", "A list: one, two", "What is two plus two", "abc abc"]))
+    prompts.write_text("\n".join(PROMPTS))
     out = tmp_path / "draft"
     result = runner.invoke(app, ["distill", "-c", str(config), "--out", str(out), "--prompts", str(prompts),
-                                 "--layers", "1", "--steps", "40", "--answers-per-prompt", "4",
+                                 "--layers", "1", "--vocab", "96", "--steps", "40", "--learning-rate", "3e-3", "--answers-per-prompt", "4",
                                  "--answer-tokens", "32", "--eval-every", "40", "--dtype", "float32"])
     assert result.exit_code == 0, result.output
-    log = json.loads((out / DRAFT_INFO).read_text())["log"]
-    assert log[-1]["expected_acceptance"] > log[0]["expected_acceptance"] + 0.01
+    info = json.loads((out / DRAFT_INFO).read_text())
+    first, last = info["log"][0], info["log"][-1]
+    # both trained draft positions: the 1st reads the target's states, the 2nd the draft's own
+    for position in range(2):
+        assert last["expected_acceptance"][position] > first["expected_acceptance"][position] + 0.01
+    # the draft scores 96 of the byte tokenizer's tokens: the rest of the target's mass is out of reach
+    assert info["vocabulary_size"] == 96 and 0.5 < last["vocabulary_coverage"] < 1
     assert not (out / "distill-work").exists()
-    # only the draft's own layer is stored; the embedding and head are the target's
+    # only the draft's own layer and projection are stored; the embedding and head are the target's
     assert (out / "model.safetensors").stat().st_size < 200_000
 
-    pair = tmp_path / "pair.yaml"
-    pair.write_text(yaml.safe_dump({"name": "pair", "target": TARGET, "draft": {"checkpoint": "draft"},
-                                    "generation": {"max_new_tokens": 24, "ignore_eos": True},
-                                    "runtime": {"device": "cpu"}}))
+    pair_config = tmp_path / "pair.yaml"
+    pair_config.write_text(yaml.safe_dump({
+        "name": "pair", "target": TARGET, "draft": {"checkpoint": "draft"},
+        "generation": {"max_new_tokens": 24, "ignore_eos": True}, "runtime": {"device": "cpu", "threads": 1}}))
     outputs = []
     for gamma in ("3", "1"):
-        run = runner.invoke(app, ["generate", "-c", str(pair), "-p", "Hello there", "--json", "--gamma", gamma])
+        run = runner.invoke(app, ["generate", "-c", str(pair_config), "-p", "Hello there", "--json", "--gamma", gamma])
         assert run.exit_code == 0, run.output
         outputs.append(json.loads(run.stdout))
-    # greedy speculative output is the target's own whatever the draft proposes; compare with gamma=1
-    # and with the target alone (ngram drafter that never matches is the same loop)
     alone = runner.invoke(app, ["generate", "-c", str(config), "-p", "Hello there", "--json",
                                 "--max-new-tokens", "24", "--ignore-eos"])
     assert outputs[0]["token_ids"] == outputs[1]["token_ids"] == json.loads(alone.stdout)["token_ids"]
     assert outputs[0]["stats"]["acceptance_rate"] > 0
+
+    # sampled: the first token and positions 2..4 are distributed as the target's, and a one-token
+    # prompt (no target state to read yet) still decodes exactly
+    pair = load_pair(load_config(str(pair_config)))
+    params = SamplingParams(temperature=0.8)
+    for prompt_ids in (pair.encode("Hello there"), pair.encode("H")):
+        rows = verify.check_model(pair, prompt_ids, "p", params, 300, seed=0, significance=0.01)
+        verify.holm(rows, 0.01)
+        assert [r.what for r in rows if not r.passed] == []
+        assert verify.check_greedy(pair, prompt_ids, "p", 24, seed=0).passed
+
+    # transformers' assisted generation cannot run it: a clear error, before any work
+    peer = runner.invoke(app, ["benchmark", "-c", str(pair_config), "--peer", "hf", "--limit", "1"])
+    assert peer.exit_code == EXIT_BAD_INPUT and "cannot run a feature draft" in peer.output
+
+    # a draft distilled for one target does not load for another
+    other = tmp_path / "other.yaml"
+    other.write_text(yaml.safe_dump({"name": "other", "target": {"tiny": {"seed": 0, "hidden_size": 32}},
+                                     "draft": {"checkpoint": "draft"}, "runtime": {"device": "cpu"}}))
+    refused = runner.invoke(app, ["generate", "-c", str(other), "-p", "Hello"])
+    assert refused.exit_code == EXIT_BAD_INPUT and "was distilled for" in refused.output

@@ -71,9 +71,9 @@ def test_greedy_output_is_the_targets_with_the_ngram_drafter(tiny_target, tokeni
 
 def test_ngram_lookup_proposes_what_followed_the_latest_match():
     drafter = NgramDrafter(max_n=2, min_n=1, vocab_size=10, device=torch.device("cpu"))
-    drafter.start([1, 2, 3, 4, 1, 2, 5, 6, 1, 2], max_tokens=20)
+    drafter.start([1, 2, 3, 4, 1, 2, 5, 6, 1, 2], max_tokens=20, target_features=None)
     assert drafter.lookup(3) == [5, 6, 1]  # bigram (1, 2) last seen before 5
-    drafter.start([7, 8, 9], max_tokens=20)
+    drafter.start([7, 8, 9], max_tokens=20, target_features=None)
     assert drafter.lookup(3) == []
 
 

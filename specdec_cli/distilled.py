@@ -1,0 +1,149 @@
+"""A distilled draft (made by `specdec distill`): a feature draft in the manner of EAGLE (Li et al.
+2024). Beside each token it reads the target's last hidden state at the token before, so a decoder
+layer or two can predict what the 30-layer target will say next far better than a small model that
+sees tokens only. Its parts:
+
+- `FEATURES`: a linear map of [token embedding, hidden state] to the width of its layers.
+- A few decoder layers of the target's architecture and width, and a final norm; their output is
+  both its next-token prediction (through the head) and the state it reads beside its own next
+  draft token, where the target's state does not exist yet.
+- Input embedding: the target's, shared by reference.
+- LM head: the target's head rows for a subset of the vocabulary (`SubsetHead`), also by reference.
+  A small draft's cost is mostly its head, so scoring 8k tokens instead of 49k makes it several
+  times cheaper, and the engine stays exact: the other tokens get logit -inf, q is still a
+  distribution over the target's vocabulary, and the draft simply never proposes them.
+
+The folder holds config.json, model.safetensors (the draft's own weights and `TOKEN_IDS`, the
+subset), the target's tokenizer and `DRAFT_INFO` (what it was distilled for, and how).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+
+from specdec_cli.errors import SpecdecError
+
+DRAFT_INFO = "specdec-draft.json"
+EMBEDDING = "model.embed_tokens.weight"  # borrowed from the target, never stored
+TOKEN_IDS = "specdec.token_ids"  # the target token ids the draft's head scores
+FEATURES = "feature_projection"  # the draft's module that reads [embedding, hidden state]
+
+
+def is_feature_draft(model: torch.nn.Module) -> bool:
+    return hasattr(model, FEATURES)
+
+
+def feature_inputs(draft: PreTrainedModel, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    """The draft's input vectors: token j + 1's embedding beside the hidden state at token j."""
+    embeddings = draft.get_input_embeddings()(input_ids)
+    return getattr(draft, FEATURES)(torch.cat([embeddings, features.to(embeddings.dtype)], dim=-1))
+
+
+class SubsetHead(torch.nn.Module):
+    """The target's LM head restricted to `token_ids`; every other token gets logit -inf."""
+
+    def __init__(self, target_head: torch.Tensor, token_ids: torch.Tensor):
+        super().__init__()
+        self.vocab_size = target_head.shape[0]
+        # buffers, not parameters: frozen, and left out of the draft's state dict (stored by reference)
+        self.register_buffer("token_ids", token_ids.to(target_head.device), persistent=False)
+        self.register_buffer("weight", target_head.detach()[self.token_ids], persistent=False)
+
+    def scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of the subset only [..., len(token_ids)] (what training needs)."""
+        return F.linear(hidden, self.weight)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        scores = self.scores(hidden)
+        logits = scores.new_full((*scores.shape[:-1], self.vocab_size), float("-inf"))
+        logits[..., self.token_ids] = scores
+        return logits
+
+
+def borrow_from_target(draft: PreTrainedModel, target: PreTrainedModel, token_ids: torch.Tensor) -> None:
+    draft.model.embed_tokens = target.model.embed_tokens
+    draft.lm_head = SubsetHead(target.get_output_embeddings().weight, token_ids)
+
+
+def add_feature_projection(draft: PreTrainedModel) -> torch.nn.Linear:
+    width = draft.config.hidden_size
+    projection = torch.nn.Linear(2 * width, width, bias=False)
+    setattr(draft, FEATURES, projection)
+    return projection
+
+
+def init_draft(target: PreTrainedModel, num_layers: int, token_ids: torch.Tensor) -> PreTrainedModel:
+    """A feature draft for a Llama-style target (`model.layers`, `model.norm`): evenly spaced target
+    layers (first and last included) and its final norm, trainable in float32; the projection
+    starts as embedding + scaled state; the embedding and the head subset borrowed and frozen."""
+    config = target.config.__class__.from_dict(target.config.to_dict())
+    chosen = spaced_layers(config.num_hidden_layers, num_layers)
+    config.num_hidden_layers = num_layers
+    config.layer_types = None  # re-derived for the new depth where the architecture uses it
+    config.tie_word_embeddings = False  # the draft's head is a subset, not its embedding
+    draft = AutoModelForCausalLM.from_config(config).to(device=target.device, dtype=torch.float32)
+    with torch.no_grad():
+        for mine, theirs in zip(draft.model.layers, chosen):
+            mine.load_state_dict(target.model.layers[theirs].state_dict())
+        draft.model.norm.load_state_dict(target.model.norm.state_dict())
+        # embedding + state, the state scaled to the embedding's size: the final norm's output is
+        # ~15x larger on SmolLM2, and would drown the token at the start of training
+        width = config.hidden_size
+        scale = rms(target.get_input_embeddings().weight) / rms(target.model.norm.weight)
+        add_feature_projection(draft).weight.copy_(torch.cat([torch.eye(width), scale * torch.eye(width)], dim=1))
+    draft.to(device=target.device)
+    borrow_from_target(draft, target, token_ids)
+    draft.model.embed_tokens.weight.requires_grad_(False)
+    return draft
+
+
+def rms(tensor: torch.Tensor) -> float:
+    return tensor.float().pow(2).mean().sqrt().item()
+
+
+def spaced_layers(total: int, count: int) -> list[int]:
+    """`count` evenly spaced indices of `total` layers, the first and the last among them."""
+    return [round(i * (total - 1) / max(count - 1, 1)) for i in range(count)]
+
+
+def own_weights(draft: PreTrainedModel) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in draft.state_dict().items() if k != EMBEDDING}
+
+
+def save_draft(draft: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path, info: dict) -> None:
+    """The draft's own weights in bfloat16 (half the size; drafts run in bf16 or get upcast)."""
+    weights = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in own_weights(draft).items()}
+    weights[TOKEN_IDS] = draft.lm_head.token_ids.cpu()
+    draft.config.save_pretrained(out)
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    tokenizer.save_pretrained(out)
+    (out / DRAFT_INFO).write_text(json.dumps(info, indent=2) + "\n")
+
+
+def load_draft(folder: Path, target: PreTrainedModel | None, dtype: torch.dtype) -> PreTrainedModel:
+    if target is None:
+        raise SpecdecError(f"{folder} is a distilled draft: it can only be loaded as the draft of a target")
+    config = AutoConfig.from_pretrained(folder)
+    weights = load_file(folder / "model.safetensors")
+    token_ids = weights.pop(TOKEN_IDS, None)
+    embedding = target.get_input_embeddings().weight
+    if (token_ids is None or embedding.shape != (config.vocab_size, config.hidden_size)
+            or int(token_ids.max()) >= target.get_output_embeddings().weight.shape[0]):
+        trained_for = json.loads((folder / DRAFT_INFO).read_text()).get("target", "another target")
+        raise SpecdecError(f"draft {folder} was distilled for {trained_for}: this target does not fit it")
+    model = AutoModelForCausalLM.from_config(config)
+    add_feature_projection(model)
+    model.to(dtype)
+    borrow_from_target(model, target, token_ids)
+    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in weights.items()},
+                                                strict=False, assign=True)
+    if unexpected or set(missing) != {EMBEDDING}:
+        raise SpecdecError(f"draft {folder}: weights do not match its config "
+                           f"(missing {sorted(set(missing) - {EMBEDDING})[:3]}, unexpected {unexpected[:3]})")
+    return model
