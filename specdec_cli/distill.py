@@ -2,18 +2,18 @@
 
 1. Corpus: the target answers the training prompts itself, once greedily and several times sampled
    at temperature 1, so the draft learns the text it will be asked to predict in both modes. While
-   it writes, the target's own next-token distribution at every answer position is kept (its top-k),
-   so training never runs the target again.
-2. Draft (see distilled.py): a few decoder layers initialised from evenly spaced target layers, the
-   target's embedding, and the target's head restricted to the tokens that carry most of the
-   target's probability mass in the corpus.
+   it writes, the target's own next-token distribution at every answer position is kept (its top-k);
+   one more pass keeps its last hidden states, so training never runs the target again.
+2. Draft (see distilled.py): a feature draft of a few decoder layers initialised from evenly spaced
+   target layers, reading the target's hidden states; the target's embedding, and the target's head
+   restricted to the tokens that carry most of the target's probability mass in the corpus.
 3. Training: cross-entropy of the draft against the target's top-k distribution (KL up to a
-   constant) at every answer position, teacher-forced. Held-out greedy agreement (on greedy
-   answers) and expected acceptance sum(min(p, q)) at temperature 1 (on sampled answers) are
-   printed as it goes.
+   constant) at every answer position, as the 1st draft token (reading the target's states) and as
+   the 2nd (reading its own). Held-out greedy agreement (on greedy answers) and expected acceptance
+   sum(min(p, q)) at temperature 1 (on sampled answers) are printed per draft token as it goes.
 
-Corpus shards and training state live in a work folder until training ends, so an interrupted run
-resumes where it stopped.
+Corpus shards, hidden states and training state live in a work folder until training ends, so an
+interrupted run resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ def corpus_batches(num_prompts: int, answers_per_prompt: int) -> list[list[Job]]
     """Generation batches, each all greedy or all sampled: greedy answers first, then the rest."""
     greedy = [Job(i, True) for i in range(num_prompts)]
     sampled = [Job(i, False) for i in range(num_prompts) for _ in range(answers_per_prompt)]
-    return [jobs[s:s + GENERATION_BATCH] for jobs in (greedy, sampled) for s in range(0, len(jobs), GENERATION_BATCH)]
+    return [jobs[start:start + GENERATION_BATCH]
+            for jobs in (greedy, sampled) for start in range(0, len(jobs), GENERATION_BATCH)]
 
 
 @torch.inference_mode()
@@ -321,9 +322,11 @@ def train(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, corpus: l
 
 def format_eval(entry: dict) -> str:
     loss = f", loss {entry['loss']:.3f}" if "loss" in entry else ""
-    per_step = lambda values: " / ".join(f"{v:.3f}" for v in values)  # noqa: E731
-    return (f"step {entry['step']}{loss}: held-out greedy agreement {per_step(entry['greedy_agreement'])}, "
-            f"expected acceptance (T=1) {per_step(entry['expected_acceptance'])} (draft token 1 / 2 ...), "
+    def per_token(values: list[float]) -> str:
+        return " / ".join(f"{v:.3f}" for v in values)
+
+    return (f"step {entry['step']}{loss}: held-out greedy agreement {per_token(entry['greedy_agreement'])}, "
+            f"expected acceptance (T=1) {per_token(entry['expected_acceptance'])} (draft token 1 / 2 ...), "
             f"vocabulary coverage {entry['vocabulary_coverage']:.3f}")
 
 

@@ -31,8 +31,9 @@ def test_distilled_draft_learns_and_decodes_exactly(tmp_path):
     prompts.write_text("\n".join(PROMPTS))
     out = tmp_path / "draft"
     result = runner.invoke(app, ["distill", "-c", str(config), "--out", str(out), "--prompts", str(prompts),
-                                 "--layers", "1", "--vocab", "96", "--steps", "40", "--learning-rate", "3e-3", "--answers-per-prompt", "4",
-                                 "--answer-tokens", "32", "--eval-every", "40", "--dtype", "float32"])
+                                 "--layers", "1", "--vocab", "96", "--steps", "40", "--learning-rate", "3e-3",
+                                 "--answers-per-prompt", "4", "--answer-tokens", "32", "--eval-every", "40",
+                                 "--dtype", "float32"])
     assert result.exit_code == 0, result.output
     info = json.loads((out / DRAFT_INFO).read_text())
     first, last = info["log"][0], info["log"][-1]

@@ -51,7 +51,7 @@ def random_pairs(vocab: int, seed: int = 0) -> dict[str, tuple[torch.Tensor, tor
     one_hot = torch.zeros(vocab, dtype=torch.float64)
     one_hot[3] = 1
     logits_p, logits_q = torch.randn(vocab, generator=g) * 2, torch.randn(vocab, generator=g) * 2
-    warped = [warp(l, SamplingParams(temperature=0.8, top_k=5, top_p=0.9)).double() for l in (logits_p, logits_q)]
+    warped = [warp(x, SamplingParams(temperature=0.8, top_k=5, top_p=0.9)).double() for x in (logits_p, logits_q)]
     return {
         "peaked": (dist(3), dist(3)),
         "flat": (p_flat, dist(0.3)),
