@@ -43,6 +43,7 @@ BUILTIN_MODELS = {
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
+
 def cache_dir() -> Path:
     return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec")).expanduser()
 

@@ -66,12 +66,17 @@ def corpus_batches(num_prompts: int, answers_per_prompt: int) -> list[list[Job]]
             for jobs in (greedy, sampled) for start in range(0, len(jobs), GENERATION_BATCH)]
 
 
+def padding_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """What fills batches; never attended to, so EOS will do where the tokenizer has no pad token."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 @torch.inference_mode()
 def build_corpus(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]],
                  settings: DistillSettings, work: Path) -> list[dict]:
     """One dict per answer: prompt ids, answer ids, the target's top-k ids and log-probs at each
     answer position. Written in shards of one generation batch, so a restart keeps what is done."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = padding_id(tokenizer)
     eos = eos_token_ids(target, tokenizer)
     groups = corpus_batches(len(prompts), settings.answers_per_prompt)
     corpus: list[dict] = []
@@ -250,7 +255,7 @@ def evaluate(draft: PreTrainedModel, heldout: list[dict], pad: int, to_subset: t
 
 def train(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, corpus: list[dict],
           settings: DistillSettings, work: Path) -> tuple[PreTrainedModel, list[dict]]:
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = padding_id(tokenizer)
     add_target_features(target, corpus, pad, work)
     torch.manual_seed(settings.seed)
     num_prompts = len({tuple(a["prompt"]) for a in corpus})
