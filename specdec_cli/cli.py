@@ -180,13 +180,17 @@ def distill(
     prompts: Annotated[Optional[Path], typer.Option(
         help="Training prompts (text, JSONL or Spec-Bench JSONL) (default: the built-in training set).")] = None,
     layers: Annotated[int, typer.Option(min=1, help="Decoder layers of the draft.")] = 1,
+    draft_steps: Annotated[int, typer.Option(
+        min=1, help="Draft positions trained: the 1st reads the target's states, later ones the draft's own.")] = 3,
     vocab: Annotated[int, typer.Option(min=1, help="Tokens the draft's head scores (the ones with the most "
                                                "target probability in the corpus); the rest it never proposes.")] = 8192,
-    steps: Annotated[int, typer.Option(min=1, help="Training steps.")] = 2000,
+    steps: Annotated[int, typer.Option(min=1, help="Training steps.")] = 3000,
     batch_size: Annotated[int, typer.Option(min=1, help="Answers per step.")] = 8,
     learning_rate: Annotated[float, typer.Option(min=0.0, help="AdamW peak learning rate.")] = 1e-3,
     answers_per_prompt: Annotated[int, typer.Option(
         min=0, help="Target answers sampled at temperature 1 per prompt, besides one greedy answer.")] = 4,
+    synthetic_prompts: Annotated[int, typer.Option(
+        min=0, help="More prompts the target writes itself (from its chat template), answered once each.")] = 2048,
     answer_tokens: Annotated[int, typer.Option(min=1, help="Most tokens per target answer.")] = 192,
     eval_every: Annotated[int, typer.Option(min=1, help="Steps between held-out evaluations.")] = 250,
     seed: SeedOpt = None, device: DeviceOpt = None,
@@ -208,9 +212,9 @@ def distill(
     cfg = configure(config, sampling__seed=seed, runtime__device=device, runtime__dtype=dtype,
                     runtime__threads=threads)
     settings = distillation.DistillSettings(
-        num_layers=layers, draft_vocab=vocab, answers_per_prompt=answers_per_prompt, answer_tokens=answer_tokens,
-        steps=steps,
-        batch_size=batch_size, learning_rate=learning_rate, eval_every=eval_every, seed=cfg.sampling.seed)
+        num_layers=layers, draft_steps=draft_steps, draft_vocab=vocab, answers_per_prompt=answers_per_prompt,
+        synthetic_prompts=synthetic_prompts, answer_tokens=answer_tokens, steps=steps, batch_size=batch_size,
+        learning_rate=learning_rate, eval_every=eval_every, seed=cfg.sampling.seed)
     texts = [p.turns[0] for p in (load_prompts(prompts) if prompts else training_prompts())]
     if cfg.runtime.threads:
         torch.set_num_threads(cfg.runtime.threads)

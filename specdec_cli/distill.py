@@ -1,15 +1,19 @@
 """Train a small draft model for a target: `specdec distill`.
 
 1. Corpus: the target answers the training prompts itself, once greedily and several times sampled
-   at temperature 1, so the draft learns the text it will be asked to predict in both modes. While
-   it writes, the target's own next-token distribution at every answer position is kept (its top-k);
+   at temperature 1, so the draft learns the text it will be asked to predict in both modes. Then it
+   writes prompts of its own (sampling the user's turn from the bare chat template, as in Magpie, Xu
+   et al. 2024) and answers each once: a few hundred hand-written prompts are too few, and a draft
+   trained on them alone learns their answers by heart instead of the target's habits. While it
+   writes, the target's own next-token distribution at every answer position is kept (its top-k);
    one more pass keeps its last hidden states, so training never runs the target again.
 2. Draft (see distilled.py): a feature draft of a few decoder layers initialised from evenly spaced
    target layers, reading the target's hidden states; the target's embedding, and the target's head
    restricted to the tokens that carry most of the target's probability mass in the corpus.
 3. Training: cross-entropy of the draft against the target's top-k distribution (KL up to a
    constant) at every answer position, as the 1st draft token (reading the target's states) and as
-   the 2nd (reading its own). Held-out greedy agreement (on greedy answers) and expected acceptance
+   the 2nd, 3rd ... (reading its own for the tokens before it in the draft: `draft_log_probs`
+   attends exactly as drafting does). Held-out greedy agreement (on greedy answers) and expected acceptance
    sum(min(p, q)) at temperature 1 (on sampled answers) are printed per draft token as it goes.
 
 Corpus shards, hidden states and training state live in a work folder until training ends, so an
@@ -24,27 +28,29 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from specdec_cli import display
 from specdec_cli.distilled import feature_inputs, init_draft, own_weights, save_draft, spaced_layers
-from specdec_cli.pair import eos_token_ids
+from specdec_cli.pair import encode_prompt, eos_token_ids
 
 WORK = "distill-work"  # subfolder of the output: corpus and training state until training ends
 STATE = "train-state.pt"
 FEATURES = "target-features.pt"
 GENERATION_BATCH = 32  # sampling many answers at once is far faster than one by one
+PROMPT_TOKENS = 64  # most tokens of a prompt the target writes
 
 
 @dataclass
 class DistillSettings:
     num_layers: int = 1
-    draft_steps: int = 2  # draft positions trained: the 1st reads target states, later ones its own
+    draft_steps: int = 3  # draft positions trained: the 1st reads target states, later ones its own
     answers_per_prompt: int = 4  # sampled at temperature 1, plus one greedy answer
+    synthetic_prompts: int = 2048  # prompts the target writes itself, answered once each
     answer_tokens: int = 192
     top_k: int = 32  # target probabilities kept per position
     draft_vocab: int = 8192
-    steps: int = 2000
+    steps: int = 3000
     batch_size: int = 8
     learning_rate: float = 1e-3
     eval_every: int = 250
@@ -75,22 +81,55 @@ def padding_id(tokenizer: PreTrainedTokenizerBase) -> int:
 def build_corpus(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]],
                  settings: DistillSettings, work: Path) -> list[dict]:
     """One dict per answer: prompt ids, answer ids, the target's top-k ids and log-probs at each
-    answer position. Written in shards of one generation batch, so a restart keeps what is done."""
+    answer position. Written in shards of one generation batch, so a restart keeps what is done:
+    first the answers to `prompts`, then the synthetic prompts' (greedy and sampled batches in turn)."""
     pad = padding_id(tokenizer)
     eos = eos_token_ids(target, tokenizer)
     groups = corpus_batches(len(prompts), settings.answers_per_prompt)
+    synthetic = [min(GENERATION_BATCH, settings.synthetic_prompts - start)
+                 for start in range(0, settings.synthetic_prompts, GENERATION_BATCH)]
     corpus: list[dict] = []
     with display.progress() as bar:
-        task = bar.add_task("Target writes the corpus", total=sum(map(len, groups)))
-        for shard, group in enumerate(groups):
+        task = bar.add_task("Target writes the corpus", total=sum(map(len, groups)) + settings.synthetic_prompts)
+        for shard, size in enumerate([len(g) for g in groups] + synthetic):
             path = work / f"corpus-{shard:05d}.pt"
             if not path.is_file():
                 torch.manual_seed(settings.seed * 1_000_003 + shard)  # deterministic, also on resume
-                torch.save(answer_batch(target, [prompts[j.prompt_index] for j in group], group[0].greedy,
-                                        pad, eos, settings), path)
+                if shard < len(groups):
+                    group = groups[shard]
+                    answers = answer_batch(target, [prompts[j.prompt_index] for j in group], group[0].greedy,
+                                           pad, eos, settings)
+                else:
+                    answers = answer_batch(target, synthetic_prompts(target, tokenizer, size, pad, eos),
+                                           shard % 2 == 0, pad, eos, settings)
+                    for answer in answers:
+                        answer["synthetic"] = True  # never held out: evaluation stays on the given prompts
+                torch.save(answers, path)
             corpus += torch.load(path)
-            bar.update(task, advance=len(group))
+            bar.update(task, advance=size)
     return corpus
+
+
+def synthetic_prompts(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, count: int, pad: int,
+                      eos: set[int]) -> list[list[int]]:
+    """`count` user prompts the target writes itself at temperature 1, started from the chat
+    template's text before the user's message (from the first token, where there is no template)."""
+    if tokenizer.chat_template:
+        marker = "\x00prompt\x00"
+        text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+        start = tokenizer.encode(text[:text.index(marker)], add_special_tokens=False)
+    else:
+        start = [tokenizer.bos_token_id if tokenizer.bos_token_id is not None else pad]
+    input_ids = torch.tensor([start] * count, device=target.device)
+    out = target.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True,
+                          temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=PROMPT_TOKENS, pad_token_id=pad)
+    prompts = []
+    for row in out[:, len(start):].tolist():
+        ends = [i for i, t in enumerate(row) if t in eos]
+        text = tokenizer.decode(row[:ends[0]] if ends else row, skip_special_tokens=True).strip()
+        if text:
+            prompts.append(encode_prompt(tokenizer, text))
+    return prompts or [start]  # never an empty batch: a prompt that is only the template's start will do
 
 
 def answer_batch(target: PreTrainedModel, prompts: list[list[int]], greedy: bool, pad: int, eos: set[int],
@@ -207,16 +246,27 @@ def make_batch(answers: list[dict], pad: int, to_subset: torch.Tensor, device: t
 def draft_log_probs(draft: PreTrainedModel, batch: Batch, autocast: torch.dtype | None,
                     draft_steps: int) -> list[torch.Tensor]:
     """Draft log-probs over its vocabulary subset [N, subset] at the batch's answer positions, as
-    the 1st, 2nd, ... token of a draft: after the first, the draft reads its own states instead of
-    the target's (as it does when drafting), so training sees what drafting sees."""
-    # the borrowed embedding and head are in the target's dtype (bfloat16 for speed): compute in it
+    the 1st, 2nd, ... token of a draft, attending to exactly what drafting attends to ("training-time
+    test", EAGLE-3): step s at input j drafts as if the verified text ended at input j - s, so it
+    sees step 1's inputs (target states) up to there, then its own inputs of steps 2 .. s on the
+    diagonal that leads to j. Each step's output stands in for the target's state at the next step."""
+    length = batch.ids.shape[1]
+    positions = torch.arange(length, device=batch.ids.device)
+    # [query j, key i] of one step: how far back the key is
+    behind = positions[:, None] - positions[None, :]
+    cache = DynamicCache(config=draft.config)
     log_probs = []
     features = batch.features
+    # the borrowed embedding and head are in the target's dtype (bfloat16 for speed): compute in it
     with torch.autocast(device_type=batch.ids.device.type, dtype=autocast or torch.float32,
                         enabled=autocast is not None):
-        for _ in range(draft_steps):
+        for step in range(draft_steps):
+            verified = (behind >= step) & batch.mask[:, None, :].bool()  # [B, query, key] of step 1's inputs
+            drafted = [(behind == step - earlier).expand_as(verified) for earlier in range(1, step + 1)]
+            mask = torch.cat([verified, *drafted], dim=-1)[:, None]
             inputs = feature_inputs(draft, batch.ids, features)
-            hidden = draft.model(inputs_embeds=inputs, attention_mask=batch.mask).last_hidden_state
+            hidden = draft.model(inputs_embeds=inputs, attention_mask=mask, position_ids=positions[None],
+                                 cache=cache, use_cache=True).last_hidden_state
             log_probs.append(draft.lm_head.scores(hidden[batch.rows, batch.cols]).float().log_softmax(-1))
             # input j's output stands in for the target's state at token j + 1
             features = torch.cat([batch.features[:, :1], hidden[:, :-1].to(features.dtype)], dim=1)
@@ -258,7 +308,7 @@ def train(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, corpus: l
     pad = padding_id(tokenizer)
     add_target_features(target, corpus, pad, work)
     torch.manual_seed(settings.seed)
-    num_prompts = len({tuple(a["prompt"]) for a in corpus})
+    num_prompts = len({tuple(a["prompt"]) for a in corpus if not a.get("synthetic")})
     heldout_prompts = {tuple(a["prompt"]) for a in corpus[:max(1, round(num_prompts * settings.heldout_prompts))]}
     heldout = [a for a in corpus if tuple(a["prompt"]) in heldout_prompts]
     training = [a for a in corpus if tuple(a["prompt"]) not in heldout_prompts]

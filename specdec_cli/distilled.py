@@ -87,7 +87,7 @@ def init_draft(target: PreTrainedModel, num_layers: int, token_ids: torch.Tensor
     config.num_hidden_layers = num_layers
     config.layer_types = None  # re-derived for the new depth where the architecture uses it
     config.tie_word_embeddings = False  # the draft's head is a subset, not its embedding
-    draft = AutoModelForCausalLM.from_config(config).float()
+    draft = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()  # training passes boolean masks
     with torch.no_grad():
         for mine, theirs in zip(draft.model.layers, chosen):
             mine.load_state_dict(target.model.layers[theirs].state_dict())

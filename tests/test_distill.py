@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 
+import torch
 import yaml
 from typer.testing import CliRunner
 
 from specdec_cli import verify
 from specdec_cli.cli import app
 from specdec_cli.config import load_config
-from specdec_cli.distilled import DRAFT_INFO
+from specdec_cli.distill import Batch, draft_log_probs
+from specdec_cli.distilled import DRAFT_INFO, feature_inputs, init_draft
 from specdec_cli.errors import EXIT_BAD_INPUT
 from specdec_cli.pair import load_pair
 from specdec_cli.sampling import SamplingParams
@@ -31,9 +33,9 @@ def test_distilled_draft_learns_and_decodes_exactly(tmp_path):
     prompts.write_text("\n".join(PROMPTS))
     out = tmp_path / "draft"
     result = runner.invoke(app, ["distill", "-c", str(config), "--out", str(out), "--prompts", str(prompts),
-                                 "--layers", "1", "--vocab", "96", "--steps", "40", "--learning-rate", "3e-3",
-                                 "--answers-per-prompt", "4", "--answer-tokens", "32", "--eval-every", "40",
-                                 "--dtype", "float32"])
+                                 "--layers", "1", "--vocab", "96", "--steps", "80", "--learning-rate", "3e-3",
+                                 "--answers-per-prompt", "4", "--synthetic-prompts", "8", "--answer-tokens", "32",
+                                 "--eval-every", "80", "--dtype", "float32"])
     assert result.exit_code == 0, result.output
     info = json.loads((out / DRAFT_INFO).read_text())
     first, last = info["log"][0], info["log"][-1]
@@ -43,6 +45,9 @@ def test_distilled_draft_learns_and_decodes_exactly(tmp_path):
     # the draft scores 96 of the byte tokenizer's tokens: the rest of the target's mass is out of reach
     assert info["vocabulary_size"] == 96 and 0.5 < last["vocabulary_coverage"] < 1
     assert not (out / "distill-work").exists()
+    # the corpus: 5 answers to each given prompt, and one to each of the target's own 8 prompts
+    [record] = (tmp_path / "runs").glob("*-distill-*/record.json")
+    assert json.loads(record.read_text())["corpus_answers"] == len(PROMPTS) * 5 + 8
     # only the draft's own layer and projection are stored; the embedding and head are the target's
     assert (out / "model.safetensors").stat().st_size < 200_000
 
@@ -58,7 +63,10 @@ def test_distilled_draft_learns_and_decodes_exactly(tmp_path):
     alone = runner.invoke(app, ["generate", "-c", str(config), "-p", "Hello there", "--json",
                                 "--max-new-tokens", "24", "--ignore-eos"])
     assert outputs[0]["token_ids"] == outputs[1]["token_ids"] == json.loads(alone.stdout)["token_ids"]
-    assert outputs[0]["stats"]["acceptance_rate"] > 0
+    # drafts get accepted (the tiny target's greedy path may leave the draft's 96 tokens: sample)
+    sampled = runner.invoke(app, ["generate", "-c", str(pair_config), "-p", "Hello there", "--json",
+                                  "--temperature", "0.8", "--seed", "0"])
+    assert json.loads(sampled.stdout)["stats"]["acceptance_rate"] > 0
 
     # sampled: the first token and positions 2..4 are distributed as the target's, and a one-token
     # prompt (no target state to read yet) still decodes exactly
@@ -80,3 +88,26 @@ def test_distilled_draft_learns_and_decodes_exactly(tmp_path):
                                      "draft": {"checkpoint": "draft"}, "runtime": {"device": "cpu"}}))
     refused = runner.invoke(app, ["generate", "-c", str(other), "-p", "Hello"])
     assert refused.exit_code == EXIT_BAD_INPUT and "was distilled for" in refused.output
+
+
+@torch.no_grad()
+def test_training_sees_what_drafting_sees(tiny_target):
+    """Each training step's prediction equals the one drafting makes from the same verified text:
+    the target's states up to input t, then the draft's own outputs for the tokens it drafted."""
+    torch.manual_seed(0)
+    vocab, width, length, draft_steps = tiny_target.config.vocab_size, tiny_target.config.hidden_size, 12, 3
+    draft = init_draft(tiny_target, 1, torch.arange(vocab)).eval()
+    for weight in draft.parameters():  # away from the target's layer, so each step's input matters
+        weight.add_(0.05 * torch.randn_like(weight))
+    ids, states = torch.randint(0, vocab, (1, length)), torch.randn(1, length, width)
+    unused = torch.zeros(length, dtype=torch.long)
+    batch = Batch(ids, states, torch.ones(1, length), rows=unused, cols=torch.arange(length), targets=unused[:, None],
+                  weights=torch.ones(length, 1), top1=unused, greedy=unused.bool())
+    trained = draft_log_probs(draft, batch, None, draft_steps)
+    for t in range(length - draft_steps + 1):  # verified text ends at input t
+        features = states[:, :t + 1]
+        for step in range(draft_steps):
+            hidden = draft.model(inputs_embeds=feature_inputs(draft, ids[:, :t + step + 1], features)).last_hidden_state
+            drafting = draft.lm_head.scores(hidden[0, t + step]).log_softmax(-1)
+            torch.testing.assert_close(trained[step][t + step], drafting, atol=1e-4, rtol=1e-4)
+            features = torch.cat([states[:, :t + 1], hidden[:, t:t + step + 1]], dim=1)
