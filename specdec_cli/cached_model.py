@@ -7,6 +7,7 @@ from typing import NamedTuple
 import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
+from specdec_cli.decode_matmul import use_decode_matmul
 from specdec_cli.distilled import feature_inputs
 
 
@@ -27,6 +28,7 @@ class CachedModel:
 
     def __init__(self, model: PreTrainedModel, vocab_size: int, static_cache: bool):
         self.model = model
+        use_decode_matmul(model)  # decoding feeds 1 to a few tokens: see decode_matmul.py
         self.vocab_size = vocab_size
         self.static_cache = static_cache
         self.device = model.device

@@ -23,10 +23,10 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
+from specdec_cli.decode_matmul import linear
 from specdec_cli.errors import SpecdecError
 
 DRAFT_INFO = "specdec-draft.json"
@@ -57,7 +57,7 @@ class SubsetHead(torch.nn.Module):
 
     def scores(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of the subset only [..., len(token_ids)] (what training needs)."""
-        return F.linear(hidden, self.weight)
+        return linear(hidden, self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         scores = self.scores(hidden)
