@@ -13,8 +13,8 @@
 3. Training: cross-entropy of the draft against the target's top-k distribution (KL up to a
    constant) at every answer position, as the 1st draft token (reading the target's states) and as
    the 2nd, 3rd ... (reading its own for the tokens before it in the draft: `draft_log_probs`
-   attends exactly as drafting does). Held-out greedy agreement (on greedy answers) and expected acceptance
-   sum(min(p, q)) at temperature 1 (on sampled answers) are printed per draft token as it goes.
+   attends exactly as drafting does). Held-out greedy agreement (on greedy answers) and expected
+   acceptance sum(min(p, q)) at temperature 1 (on sampled answers) are printed per draft token.
 
 Corpus shards, hidden states and training state live in a work folder until training ends, so an
 interrupted run resumes where it stopped.
@@ -247,9 +247,10 @@ def draft_log_probs(draft: PreTrainedModel, batch: Batch, autocast: torch.dtype 
                     draft_steps: int) -> list[torch.Tensor]:
     """Draft log-probs over its vocabulary subset [N, subset] at the batch's answer positions, as
     the 1st, 2nd, ... token of a draft, attending to exactly what drafting attends to ("training-time
-    test", EAGLE-3): step s at input j drafts as if the verified text ended at input j - s, so it
-    sees step 1's inputs (target states) up to there, then its own inputs of steps 2 .. s on the
-    diagonal that leads to j. Each step's output stands in for the target's state at the next step."""
+    test", EAGLE-3): the k-th draft token at input j is drafted as if the verified text ended at
+    input j - k + 1, so it sees the 1st step's inputs (target states) up to there, then its own
+    inputs of steps 2 .. k on the diagonal that leads to j. Each step's output stands in for the
+    target's state at the next step."""
     length = batch.ids.shape[1]
     positions = torch.arange(length, device=batch.ids.device)
     # [query j, key i] of one step: how far back the key is
