@@ -32,7 +32,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def use_decode_matmul(model: torch.nn.Module) -> None:
-    """Route the model's linear layers through `linear` (which falls back to F.linear off CPU/float32)."""
+    """Route a CPU model's linear layers through `linear` (elsewhere the detour would only cost time)."""
+    if next(model.parameters()).device.type != "cpu":
+        return
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
             module.forward = partial(_linear_forward, module)
