@@ -33,6 +33,8 @@ def test_a_model_decodes_the_same_through_it(tiny_target):
         model = type(tiny_target)(tiny_target.config).eval()
         model.load_state_dict(tiny_target.state_dict())
         use_decode_matmul(model)
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        assert linears and all("forward" in vars(m) for m in linears)  # every one was rerouted
         # another summation order: equal up to float32 rounding
         torch.testing.assert_close(model(input_ids=ids).logits, before, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(model(input_ids=ids[:, :1]).logits, before[:, :1], atol=1e-4, rtol=1e-4)
