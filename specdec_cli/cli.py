@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -10,9 +9,12 @@ from typing import Annotated, Optional
 import typer
 
 from specdec_cli import display, records
+from specdec_cli.bench.plan import choose_prompts, make_plan, parse_list
+from specdec_cli.bench.report import compare as compare_records
+from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.options import (EXIT_INTERRUPTED, ConfigOpt, DeviceOpt, DtypeOpt, GammaOpt, IgnoreEosOpt, JsonOpt, MaxNewOpt,
                                  SeedOpt, TemperatureOpt, ThreadsOpt, TopKOpt, TopPOpt, configure,
-                                 read_prompt, reports_errors, sampling_params)
+                                 read_prompt, reports_errors)
 
 app = typer.Typer(
     name="specdec", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -49,7 +51,7 @@ def generate(
 ) -> None:
     """Generate text with speculative decoding, streaming it (accepted draft tokens in green), then
     show the decoding statistics. Flags override the config's YAML values."""
-    from specdec_cli.pair import load_pair  # torch/transformers load only once arguments are fine
+    from specdec_cli.models.pair import load_pair  # torch/transformers load only once arguments are fine
 
     cfg = configure(config, sampling__temperature=temperature, sampling__top_k=top_k,
                     sampling__top_p=top_p, sampling__seed=seed,
@@ -64,10 +66,9 @@ def generate(
 
     # with --json the stream only collects tokens, so Ctrl-C can still save what was generated
     stream = display.TokenStream(pair.tokenizer, display.quiet if as_json else display.stdout)
-    decoder = pair.decoder(sampling_params(cfg))
-    record = {"command": "generate", "name": cfg.name, "timestamp": records.timestamp(), "prompt": text,
-              "raw": raw, "prompt_ids": prompt_ids, "seed": cfg.sampling.seed,
-              "environment": pair.describe(), "config": cfg.to_dict()}
+    decoder = pair.decoder(SamplingParams.from_config(cfg.sampling))
+    record = {**records.header("generate", cfg, pair.describe()), "prompt": text, "raw": raw,
+              "prompt_ids": prompt_ids, "seed": cfg.sampling.seed}
     try:
         result = decoder.generate(prompt_ids, cfg.generation.max_new_tokens, cfg.sampling.seed,
                                   ignore_eos=cfg.generation.ignore_eos, on_tokens=stream)
@@ -106,7 +107,7 @@ def benchmark(
     category: Annotated[Optional[str], typer.Option(help="Only prompts of this category.")] = None,
     limit: Annotated[Optional[int], typer.Option(help="At most this many prompts per category.")] = None,
     gamma: Annotated[Optional[str], typer.Option(
-        "--gamma", "-k", help="Draft lengths to sweep, e.g. 1,2,4 (default: the config's).")] = None,
+        "--gamma", "-g", help="Draft lengths to sweep, e.g. 1,2,4 (default: the config's).")] = None,
     temperatures: Annotated[Optional[str], typer.Option(
         help="Temperatures, e.g. 0,0.7,1.0 (default: 0 and the config's, 1.0 if it is greedy).")] = None,
     max_new_tokens: MaxNewOpt = None, ignore_eos: IgnoreEosOpt = None, seed: SeedOpt = None,
@@ -125,17 +126,16 @@ def benchmark(
     """Measure target-only vs speculative decoding on a prompt set, greedy and sampled: tokens/s,
     speedup, acceptance, cost ratio and Leviathan's predicted speedup. Writes runs/<time>-benchmark-<name>/
     with record.json and report.md."""
-    from specdec_cli import benchmark as bench  # torch/transformers load only once arguments are fine
-
     if compare:
-        return bench.compare(*compare, as_json=as_json)
+        return compare_records(*compare, as_json=as_json)
     cfg = configure(config, sampling__seed=seed, generation__max_new_tokens=max_new_tokens,
                     generation__ignore_eos=ignore_eos, runtime__device=device, runtime__dtype=dtype,
                     runtime__threads=threads)
-    plan = bench.make_plan(cfg, bench.parse_list(gamma, int, "--gamma"),
-                           bench.parse_list(temperatures, float, "--temperatures"), repeats, warmup, peer)
-    bench.execute(cfg, bench.choose_prompts(prompts, category, limit), plan, as_json, min_speedup,
-                  min_accept_length)
+    plan = make_plan(cfg, parse_list(gamma, int, "--gamma"), parse_list(temperatures, float, "--temperatures"),
+                     repeats, warmup, peer)
+    selected = choose_prompts(prompts, category, limit)
+    from specdec_cli.benchmark import execute  # torch/transformers load only once arguments are fine
+    execute(cfg, selected, plan, as_json, min_speedup, min_accept_length)
 
 
 @app.command("verify-distribution", epilog="""Examples:\n
@@ -194,45 +194,30 @@ def distill(
     answer_tokens: Annotated[int, typer.Option(min=1, help="Most tokens per target answer.")] = 192,
     eval_every: Annotated[int, typer.Option(min=1, help="Steps between held-out evaluations.")] = 250,
     seed: SeedOpt = None, device: DeviceOpt = None,
-    dtype: Annotated[str, typer.Option(help="Dtype of the target while it writes the corpus (most of the "
-                                            "cost).")] = "bfloat16",
+    dtype: Annotated[Optional[str], typer.Option(
+        help="Dtype of the target while it writes the corpus (most of the cost); the config's `auto` means "
+             "bfloat16 here.")] = None,
     threads: ThreadsOpt = None,
+    keep_work: Annotated[bool, typer.Option(
+        "--keep-work", help="Keep OUT/distill-work (corpus, target states) after training, so a retrain with "
+                            "other draft settings skips writing the corpus.")] = False,
 ) -> None:
     """Train a small feature draft (EAGLE-style: it reads the target's hidden states) for the config's
     target on text the target writes itself, matching the target's next-token distributions. The
     draft borrows the target's embedding and the head rows of its vocabulary by reference, so the
     saved folder holds only its own layers; name it as `draft: {checkpoint: PATH}`."""
-    import torch
-
-    from specdec_cli import distill as distillation
-    from specdec_cli.checkpoints import load_model
-    from specdec_cli.pair import DTYPES, encode_prompt, resolve_device
-    from specdec_cli.prompts import load_prompts, training_prompts
+    from specdec_cli.bench.prompts import load_prompts, training_prompts
 
     cfg = configure(config, sampling__seed=seed, runtime__device=device, runtime__dtype=dtype,
                     runtime__threads=threads)
+    texts = [p.turns[0] for p in (load_prompts(prompts) if prompts else training_prompts())]
+    from specdec_cli import distill as distillation  # torch/transformers load only once arguments are fine
+
     settings = distillation.DistillSettings(
         num_layers=layers, draft_steps=draft_steps, draft_vocab=vocab, answers_per_prompt=answers_per_prompt,
         synthetic_prompts=synthetic_prompts, answer_tokens=answer_tokens, steps=steps, batch_size=batch_size,
         learning_rate=learning_rate, eval_every=eval_every, seed=cfg.sampling.seed)
-    texts = [p.turns[0] for p in (load_prompts(prompts) if prompts else training_prompts())]
-    if cfg.runtime.threads:
-        torch.set_num_threads(cfg.runtime.threads)
-    device = resolve_device(cfg.runtime.device)
-    with display.stderr.status(f"Loading {cfg.target.describe()}..."):
-        target, tokenizer = load_model(cfg.target, device, DTYPES.get(cfg.runtime.dtype, torch.float32))
-    work = out / distillation.WORK  # corpus and training state: what a resumed run continues from
-    work.mkdir(parents=True, exist_ok=True)
-    corpus = distillation.build_corpus(target, tokenizer, [encode_prompt(tokenizer, t) for t in texts],
-                                       settings, work)
-    draft, log = distillation.train(target, tokenizer, corpus, settings, work)
-    distillation.save(draft, target, tokenizer, out, cfg.target.describe(), log, settings)
-    shutil.rmtree(work)
-    folder = records.write_record("distill", cfg.name, {
-        "command": "distill", "name": cfg.name, "timestamp": records.timestamp(), "out": str(out),
-        "corpus_answers": len(corpus), "corpus_answer_tokens": sum(len(a["answer"]) for a in corpus), "settings": vars(settings),
-        "log": log, "config": cfg.to_dict()})
-    display.stderr.print(f"Draft saved to {out}: name it as `draft: {{checkpoint: {out}}}`. Record: {folder}")
+    distillation.distill(cfg, texts, settings, out, keep_work)
 
 
 def main() -> None:

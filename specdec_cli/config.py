@@ -49,7 +49,7 @@ class ModelSpec:
 
 
 @dataclass
-class NgramDrafter:
+class NgramSettings:
     """Prompt lookup: propose the tokens that followed the last earlier occurrence of the context's
     final n-gram, trying the longest n first."""
 
@@ -61,7 +61,7 @@ class NgramDrafter:
 class DraftSpec(ModelSpec):
     """A draft model (as a ModelSpec) or an n-gram drafter."""
 
-    ngram: NgramDrafter | None = None
+    ngram: NgramSettings | None = None
 
     def describe(self) -> str:
         if self.ngram:

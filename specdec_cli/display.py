@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
-from transformers import PreTrainedTokenizerBase
+
+if TYPE_CHECKING:  # only for annotations: the CLI starts without importing transformers
+    from transformers import PreTrainedTokenizerBase
 
 # piped output has no terminal width: give wide tables room instead of rich's 80 columns
 PIPED_WIDTH = 160

@@ -24,15 +24,19 @@ from __future__ import annotations
 
 import math
 import random
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from specdec_cli import display
-from specdec_cli.distilled import feature_inputs, init_draft, own_weights, save_draft, spaced_layers
-from specdec_cli.pair import encode_prompt, eos_token_ids
+from specdec_cli import display, records
+from specdec_cli.config import Config
+from specdec_cli.models.checkpoints import load_model
+from specdec_cli.models.pair import DTYPES, resolve_device
+from specdec_cli.models.feature_draft import feature_inputs, init_draft, own_weights, save_draft, spaced_layers
+from specdec_cli.models.tokens import encode_prompt, eos_token_ids, padding_id
 
 WORK = "distill-work"  # subfolder of the output: corpus and training state until training ends
 STATE = "train-state.pt"
@@ -70,11 +74,6 @@ def corpus_batches(num_prompts: int, answers_per_prompt: int) -> list[list[Job]]
     sampled = [Job(i, False) for i in range(num_prompts) for _ in range(answers_per_prompt)]
     return [jobs[start:start + GENERATION_BATCH]
             for jobs in (greedy, sampled) for start in range(0, len(jobs), GENERATION_BATCH)]
-
-
-def padding_id(tokenizer: PreTrainedTokenizerBase) -> int:
-    """What fills batches; never attended to, so EOS will do where the tokenizer has no pad token."""
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 @torch.inference_mode()
@@ -393,3 +392,24 @@ def save(draft: PreTrainedModel, target: PreTrainedModel, tokenizer: PreTrainedT
         "initialised_from_target_layers": spaced_layers(target.config.num_hidden_layers,
                                                         draft.config.num_hidden_layers),
         "vocabulary_size": len(draft.lm_head.token_ids), "settings": vars(settings), "log": log})
+
+
+def distill(cfg: Config, prompts: list[str], settings: DistillSettings, out: Path, keep_work: bool) -> None:
+    """The whole command: corpus, training, the saved draft and its record."""
+    if cfg.runtime.threads:
+        torch.set_num_threads(cfg.runtime.threads)
+    device = resolve_device(cfg.runtime.device)
+    dtype = torch.bfloat16 if cfg.runtime.dtype == "auto" else DTYPES[cfg.runtime.dtype]
+    with display.stderr.status(f"Loading {cfg.target.describe()}..."):
+        target, tokenizer = load_model(cfg.target, device, dtype)
+    work = out / WORK  # corpus and training state: what a resumed run continues from
+    work.mkdir(parents=True, exist_ok=True)
+    corpus = build_corpus(target, tokenizer, [encode_prompt(tokenizer, t) for t in prompts], settings, work)
+    draft, log = train(target, tokenizer, corpus, settings, work)
+    save(draft, target, tokenizer, out, cfg.target.describe(), log, settings)
+    if not keep_work:
+        shutil.rmtree(work)
+    folder = records.write_record("distill", cfg.name, {
+        **records.header("distill", cfg), "out": str(out), "corpus_answers": len(corpus),
+        "corpus_answer_tokens": sum(len(a["answer"]) for a in corpus), "settings": vars(settings), "log": log})
+    display.stderr.print(f"Draft saved to {out}: name it as `draft: {{checkpoint: {out}}}`. Record: {folder}")

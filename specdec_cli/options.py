@@ -12,7 +12,6 @@ import typer
 
 from specdec_cli.config import DEFAULT_CONFIG, Config, apply_overrides, load_config
 from specdec_cli.errors import SpecdecError
-from specdec_cli.sampling import SamplingParams
 
 EXIT_INTERRUPTED = 130
 
@@ -24,7 +23,7 @@ TopKOpt = Annotated[Optional[int], typer.Option(help="Keep the k most likely tok
 TopPOpt = Annotated[Optional[float], typer.Option(help="Nucleus mass in (0, 1]; 1 disables.")]
 SeedOpt = Annotated[Optional[int], typer.Option(help="Random seed (same seed, same tokens).")]
 GammaOpt = Annotated[Optional[int], typer.Option(
-    "--num-draft-tokens", "--gamma", "-k", help="Draft tokens per target forward.")]
+    "--num-draft-tokens", "--gamma", "-g", help="Draft tokens per target forward.")]
 MaxNewOpt = Annotated[Optional[int], typer.Option(help="Most tokens to generate.")]
 IgnoreEosOpt = Annotated[Optional[bool], typer.Option(
     "--ignore-eos/--stop-at-eos", help="Keep generating past end-of-sequence.")]
@@ -63,11 +62,6 @@ def configure(config: str | None, **overrides) -> Config:
     """Load the YAML and apply flags given as section__key=value (None: not given)."""
     return apply_overrides(load_config(config),
                            {key.replace("__", "."): value for key, value in overrides.items()})
-
-
-def sampling_params(config: Config) -> SamplingParams:
-    s = config.sampling
-    return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
 
 
 def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:

@@ -30,6 +30,12 @@ def run_folder(command: str, name: str) -> Path:
     return folder
 
 
+def header(command: str, config, environment: dict | None = None) -> dict[str, Any]:
+    """The fields every record starts with: what ran, under which config, where."""
+    head = {"command": command, "name": config.name, "timestamp": timestamp(), "config": config.to_dict()}
+    return head if environment is None else {**head, "environment": environment}
+
+
 def dumps(record: dict[str, Any]) -> str:
     return json.dumps(record, indent=2, ensure_ascii=False)
 

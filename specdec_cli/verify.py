@@ -26,11 +26,12 @@ import numpy as np
 import torch
 from scipy import stats
 
-from specdec_cli import display, records, sampling
+from specdec_cli import display, records
+from specdec_cli.decoding import sampling
 from specdec_cli.config import Config
 from specdec_cli.errors import EXIT_CHECK_FAILED, SpecdecError
-from specdec_cli.pair import Pair, load_pair
-from specdec_cli.sampling import SamplingParams
+from specdec_cli.models.pair import Pair, load_pair
+from specdec_cli.decoding.params import SamplingParams
 
 MIN_EXPECTED = 5.0  # chi-square needs about 5 expected counts per bin: rarer tokens are pooled
 EXACT_TOLERANCE = 1e-6  # max |P(x) - p(x)| allowed for the formula (float32 inputs, float64 sums)
@@ -360,7 +361,7 @@ def make_settings(pair: Pair, prompts: list[str], samples: int | None, significa
     """The distribution checks use the config's sampling settings, at temperature 1 if it is greedy."""
     s = pair.config.sampling
     runs = samples or default_samples(pair)
-    return Settings(params=SamplingParams(s.temperature or 1.0, s.top_k, s.top_p), samples=runs,
+    return Settings(params=SamplingParams.from_config(s, s.temperature or 1.0), samples=runs,
                     sampler_draws=max(MIN_SAMPLER_DRAWS, SAMPLER_DRAWS_PER_RUN * runs),
                     significance=significance, seed=s.seed, greedy_tokens=pair.config.generation.max_new_tokens,
                     prompts=prompts or DEFAULT_PROMPTS)
@@ -381,11 +382,11 @@ def verify_distribution(cfg: Config, prompts: list[str], samples: int | None, si
     failed = [r for r in rows if not r.passed]
     env = pair.describe()
     record = {
-        "command": "verify-distribution", "name": cfg.name, "timestamp": records.timestamp(),
-        "verdict": "fail" if failed else "pass", "seconds": seconds,
+        **records.header("verify-distribution", cfg, env), "verdict": "fail" if failed else "pass",
+        "seconds": seconds,
         "settings": {**asdict(settings), "gamma": cfg.speculation.num_draft_tokens,
                      "multiplicity": "holm", "min_expected_per_bin": MIN_EXPECTED},
-        "checks": [asdict(r) for r in rows], "environment": env, "config": cfg.to_dict(),
+        "checks": [asdict(r) for r in rows],
     }
     folder = records.write_record("verify-distribution", cfg.name, record)
     if as_json:

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specdec_cli.cached_model import CachedModel
-from specdec_cli.checkpoints import build_tiny, byte_tokenizer
+from specdec_cli.decoding.cache import CachedModel
+from specdec_cli.models.checkpoints import build_tiny, byte_tokenizer
 from specdec_cli.config import TinyModel
 
 

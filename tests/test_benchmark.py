@@ -9,14 +9,15 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from specdec_cli.benchmark import (Plan, gate_failures, per_token_acceptance, run_benchmark, summarize,
-                                   summarize_mode)
+from specdec_cli.bench.plan import Plan
+from specdec_cli.bench.run import run_benchmark
+from specdec_cli.bench.summary import gate_failures, summarize, summarize_mode
 from specdec_cli.cli import app
 from specdec_cli.config import parse_config
 from specdec_cli.errors import EXIT_BAD_INPUT, EXIT_GATE_FAILED
-from specdec_cli.metrics import StepRecord
-from specdec_cli.pair import load_pair
-from specdec_cli.prompts import Prompt
+from specdec_cli.decoding.metrics import StepRecord, per_token_acceptance
+from specdec_cli.models.pair import load_pair
+from specdec_cli.bench.prompts import Prompt
 
 # draft identical to the target: every draft token is accepted, greedy or sampled
 SAME_PAIR = {

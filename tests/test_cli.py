@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from specdec_cli.checkpoints import build_tiny, byte_tokenizer
+from specdec_cli.models.checkpoints import build_tiny, byte_tokenizer
 from specdec_cli.cli import app
 from specdec_cli.config import TinyModel
 from specdec_cli.errors import EXIT_BAD_INPUT

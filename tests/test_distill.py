@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
+import pytest
 import torch
 import yaml
 from typer.testing import CliRunner
@@ -13,10 +15,10 @@ from specdec_cli import verify
 from specdec_cli.cli import app
 from specdec_cli.config import load_config
 from specdec_cli.distill import Batch, draft_log_probs
-from specdec_cli.distilled import DRAFT_INFO, feature_inputs, init_draft
+from specdec_cli.models.feature_draft import DRAFT_INFO, feature_inputs, init_draft
 from specdec_cli.errors import EXIT_BAD_INPUT
-from specdec_cli.pair import load_pair
-from specdec_cli.sampling import SamplingParams
+from specdec_cli.models.pair import load_pair
+from specdec_cli.decoding.params import SamplingParams
 
 runner = CliRunner()
 
@@ -25,52 +27,70 @@ PROMPTS = ["Hello there", "The quick brown fox", "Once upon a time", "Count to t
            "A list: one, two", "What is two plus two", "abc abc"]
 
 
-def test_distilled_draft_learns_and_decodes_exactly(tmp_path):
-    config = tmp_path / "target.yaml"
+@pytest.fixture(scope="module")
+def distilled(tmp_path_factory):
+    """One tiny distillation run shared by the tests below: its folder, configs and record."""
+    tmp = tmp_path_factory.mktemp("distill")
+    config = tmp / "target.yaml"
     config.write_text(yaml.safe_dump({"name": "tiny", "target": TARGET, "draft": {"ngram": {}},
                                       "runtime": {"device": "cpu", "threads": 1}}))
-    prompts = tmp_path / "prompts.txt"
+    prompts = tmp / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS))
-    out = tmp_path / "draft"
-    result = runner.invoke(app, ["distill", "-c", str(config), "--out", str(out), "--prompts", str(prompts),
-                                 "--layers", "1", "--vocab", "96", "--steps", "80", "--learning-rate", "3e-3",
-                                 "--answers-per-prompt", "4", "--synthetic-prompts", "8", "--answer-tokens", "32",
-                                 "--eval-every", "80", "--dtype", "float32"])
+    out = tmp / "draft"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECDEC_RUNS_DIR", str(tmp / "runs"))
+        result = runner.invoke(app, ["distill", "-c", str(config), "--out", str(out), "--prompts", str(prompts),
+                                     "--layers", "1", "--vocab", "96", "--steps", "80", "--learning-rate", "3e-3",
+                                     "--answers-per-prompt", "4", "--synthetic-prompts", "8", "--answer-tokens",
+                                     "32", "--eval-every", "80", "--dtype", "float32"])
     assert result.exit_code == 0, result.output
-    info = json.loads((out / DRAFT_INFO).read_text())
-    first, last = info["log"][0], info["log"][-1]
-    # every trained draft position: the 1st reads the target's states, the 2nd and 3rd the draft's own
-    for position in range(3):
-        assert last["expected_acceptance"][position] > first["expected_acceptance"][position] + 0.01
-    # the draft scores 96 of the byte tokenizer's tokens: the rest of the target's mass is out of reach
-    assert info["vocabulary_size"] == 96 and 0.5 < last["vocabulary_coverage"] < 1
-    assert not (out / "distill-work").exists()
-    # the corpus: 5 answers to each given prompt, and one to each of the target's own 8 prompts
-    [record] = (tmp_path / "runs").glob("*-distill-*/record.json")
-    assert json.loads(record.read_text())["corpus_answers"] == len(PROMPTS) * 5 + 8
-    # only the draft's own layer and projection are stored; the embedding and head are the target's
-    assert (out / "model.safetensors").stat().st_size < 200_000
-
-    pair_config = tmp_path / "pair.yaml"
+    [record] = (tmp / "runs").glob("*-distill-*/record.json")
+    pair_config = tmp / "pair.yaml"
     pair_config.write_text(yaml.safe_dump({
         "name": "pair", "target": TARGET, "draft": {"checkpoint": "draft"},
         "generation": {"max_new_tokens": 24, "ignore_eos": True}, "runtime": {"device": "cpu", "threads": 1}}))
-    outputs = []
-    for gamma in ("3", "1"):
-        run = runner.invoke(app, ["generate", "-c", str(pair_config), "-p", "Hello there", "--json", "--gamma", gamma])
-        assert run.exit_code == 0, run.output
-        outputs.append(json.loads(run.stdout))
-    alone = runner.invoke(app, ["generate", "-c", str(config), "-p", "Hello there", "--json",
-                                "--max-new-tokens", "24", "--ignore-eos"])
-    assert outputs[0]["token_ids"] == outputs[1]["token_ids"] == json.loads(alone.stdout)["token_ids"]
-    # drafts get accepted (the tiny target's greedy path may leave the draft's 96 tokens: sample)
-    sampled = runner.invoke(app, ["generate", "-c", str(pair_config), "-p", "Hello there", "--json",
-                                  "--temperature", "0.8", "--seed", "0"])
-    assert json.loads(sampled.stdout)["stats"]["acceptance_rate"] > 0
+    return SimpleNamespace(out=out, target_config=config, pair_config=pair_config,
+                           record=json.loads(record.read_text()), info=json.loads((out / DRAFT_INFO).read_text()))
 
-    # sampled: the first token and positions 2..4 are distributed as the target's, and a one-token
-    # prompt (no target state to read yet) still decodes exactly
-    pair = load_pair(load_config(str(pair_config)))
+
+def test_every_trained_position_improves(distilled):
+    # the 1st position reads the target's states, the 2nd and 3rd the draft's own
+    first, last = distilled.info["log"][0], distilled.info["log"][-1]
+    for position in range(3):
+        assert last["expected_acceptance"][position] > first["expected_acceptance"][position] + 0.01
+    # the draft scores 96 of the byte tokenizer's tokens: the rest of the target's mass is out of reach
+    assert distilled.info["vocabulary_size"] == 96 and 0.5 < last["vocabulary_coverage"] < 1
+
+
+def test_corpus_and_saved_folder(distilled):
+    assert not (distilled.out / "distill-work").exists()
+    # 5 answers to each given prompt, and one to each of the target's own 8 prompts
+    assert distilled.record["corpus_answers"] == len(PROMPTS) * 5 + 8
+    # only the draft's own layer and projection are stored; the embedding and head are the target's
+    assert (distilled.out / "model.safetensors").stat().st_size < 200_000
+
+
+def generate_json(*args: str) -> dict:
+    run = runner.invoke(app, ["generate", "-p", "Hello there", "--json", *args])
+    assert run.exit_code == 0, run.output
+    return json.loads(run.stdout)
+
+
+def test_greedy_output_is_the_targets(distilled):
+    pair = str(distilled.pair_config)
+    outputs = [generate_json("-c", pair, "--gamma", gamma)["token_ids"] for gamma in ("3", "1")]
+    alone = generate_json("-c", str(distilled.target_config), "--max-new-tokens", "24", "--ignore-eos")
+    assert outputs[0] == outputs[1] == alone["token_ids"]
+
+
+def test_sampled_output_is_the_targets(distilled):
+    # drafts get accepted (the tiny target's greedy path may leave the draft's 96 tokens: sample)
+    accepted = sum(generate_json("-c", str(distilled.pair_config), "--temperature", "0.8", "--seed", str(seed)
+                                 )["stats"]["accepted_draft_tokens"] for seed in range(5))
+    assert accepted > 0
+    # the first token and positions 2..4 are distributed as the target's, and a one-token prompt (no
+    # target state to read yet) still decodes exactly
+    pair = load_pair(load_config(str(distilled.pair_config)))
     params = SamplingParams(temperature=0.8)
     for prompt_ids in (pair.encode("Hello there"), pair.encode("H")):
         rows = verify.check_model(pair, prompt_ids, "p", params, 300, seed=0, significance=0.01)
@@ -78,14 +98,17 @@ def test_distilled_draft_learns_and_decodes_exactly(tmp_path):
         assert [r.what for r in rows if not r.passed] == []
         assert verify.check_greedy(pair, prompt_ids, "p", 24, seed=0).passed
 
+
+def test_hf_peer_refuses_a_feature_draft(distilled):
     # transformers' assisted generation cannot run it: a clear error, before any work
-    peer = runner.invoke(app, ["benchmark", "-c", str(pair_config), "--peer", "hf", "--limit", "1"])
+    peer = runner.invoke(app, ["benchmark", "-c", str(distilled.pair_config), "--peer", "hf", "--limit", "1"])
     assert peer.exit_code == EXIT_BAD_INPUT and "cannot run a feature draft" in peer.output
 
-    # a draft distilled for one target does not load for another
+
+def test_a_draft_for_another_target_is_refused(distilled, tmp_path):
     other = tmp_path / "other.yaml"
     other.write_text(yaml.safe_dump({"name": "other", "target": {"tiny": {"seed": 0, "hidden_size": 32}},
-                                     "draft": {"checkpoint": "draft"}, "runtime": {"device": "cpu"}}))
+                                     "draft": {"checkpoint": str(distilled.out)}, "runtime": {"device": "cpu"}}))
     refused = runner.invoke(app, ["generate", "-c", str(other), "-p", "Hello"])
     assert refused.exit_code == EXIT_BAD_INPUT and "was distilled for" in refused.output
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec_cli.checkpoints import build_tiny
+from specdec_cli.models.checkpoints import build_tiny
 from specdec_cli.config import TinyModel
-from specdec_cli.drafters import ModelDrafter, NgramDrafter
-from specdec_cli.engine import SpeculativeDecoder
-from specdec_cli.sampling import SamplingParams
-from specdec_cli.metrics import acceptance_rate, mean_accepted_length
+from specdec_cli.drafters.model import ModelDrafter
+from specdec_cli.drafters.ngram import NgramDrafter
+from specdec_cli.decoding.engine import SpeculativeDecoder
+from specdec_cli.decoding.params import SamplingParams
+from specdec_cli.decoding.metrics import acceptance_rate, mean_accepted_length
 
 from conftest import cached
 
@@ -71,9 +72,9 @@ def test_greedy_output_is_the_targets_with_the_ngram_drafter(tiny_target, tokeni
 
 def test_ngram_lookup_proposes_what_followed_the_latest_match():
     drafter = NgramDrafter(max_n=2, min_n=1, vocab_size=10, device=torch.device("cpu"))
-    drafter.start([1, 2, 3, 4, 1, 2, 5, 6, 1, 2], max_tokens=20, target_features=None)
+    drafter.start([1, 2, 3, 4, 1, 2, 5, 6, 1, 2], max_tokens=20, target_states=None)
     assert drafter.lookup(3) == [5, 6, 1]  # bigram (1, 2) last seen before 5
-    drafter.start([7, 8, 9], max_tokens=20, target_features=None)
+    drafter.start([7, 8, 9], max_tokens=20, target_states=None)
     assert drafter.lookup(3) == []
 
 

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from specdec_cli.metrics import (
+from specdec_cli.decoding.metrics import (
     StepRecord,
     acceptance_by_position,
     acceptance_rate,

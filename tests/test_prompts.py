@@ -4,7 +4,7 @@ from importlib import resources
 import pytest
 
 from specdec_cli.errors import SpecdecError
-from specdec_cli.prompts import Prompt, builtin_suite, load_prompts, select
+from specdec_cli.bench.prompts import Prompt, builtin_suite, load_prompts, select
 
 CATEGORIES = {"multi_turn", "translation", "summarization", "qa", "math_reasoning", "rag", "code"}
 
@@ -133,7 +133,7 @@ def test_select_errors():
 
 
 def test_training_prompts_disjoint_from_benchmark():
-    data = resources.files("specdec_cli") / "data" / "training_prompts.txt"
+    data = resources.files("specdec_cli.bench") / "data" / "training_prompts.txt"
     training = [line.strip().casefold() for line in data.read_text(encoding="utf-8").splitlines()]
     training = [t for t in training if t]
     benchmark = [turn.strip().casefold() for p in builtin_suite() for turn in p.turns]

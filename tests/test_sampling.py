@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy import stats
 
-from specdec_cli.sampling import (SamplingParams, first_rejections, residual, sample, verify_greedy,
+from specdec_cli.decoding.sampling import (SamplingParams, accepted_prefix_length, residual, sample, verify_greedy,
                                   verify_sampled, warp)
 
 
@@ -146,7 +146,7 @@ def test_greedy_verification():
     assert [int(x) for x in verify_greedy(torch.tensor([[2, 4, 1]]), logits)] == [3, 3]  # all + bonus
     assert [int(x) for x in verify_greedy(torch.tensor([[2, 0, 1]]), logits)] == [1, 4]  # stop at 2nd
     assert [int(x) for x in verify_greedy(torch.tensor([[0, 4, 1]]), logits)] == [0, 2]
-    assert first_rejections(torch.tensor([[True, False, True]])).tolist() == [1]
+    assert accepted_prefix_length(torch.tensor([[True, False, True]])).tolist() == [1]
 
 
 def test_warp_top_k_and_top_p():

@@ -14,14 +14,15 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from specdec_cli import engine, sampling, verify
-from specdec_cli.cached_model import CachedModel
+from specdec_cli import verify
+from specdec_cli.decoding import engine, sampling
+from specdec_cli.decoding.cache import CachedModel
 from specdec_cli.cli import app
 from specdec_cli.config import load_config
-from specdec_cli.drafters import ModelDrafter
+from specdec_cli.drafters.model import ModelDrafter
 from specdec_cli.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED
-from specdec_cli.pair import load_pair
-from specdec_cli.sampling import SamplingParams
+from specdec_cli.models.pair import load_pair
+from specdec_cli.decoding.params import SamplingParams
 
 PARAMS = SamplingParams(temperature=0.6)  # not 1, so that "warped at T squared" differs from T
 VOCAB = 258  # the tiny pair's byte vocabulary
@@ -57,7 +58,7 @@ def broken_verify_sampled(inverted_ratio: bool = False, bonus_from_last_draft: b
         q = draft_probs.gather(-1, draft_tokens[..., None])[..., 0].double()
         u = torch.rand(batch, gamma, dtype=torch.float64, generator=generator)
         passed = (u * p < q) if inverted_ratio else (u * q < p) & (q > 0)
-        num_accepted = sampling.first_rejections(passed)
+        num_accepted = sampling.accepted_prefix_length(passed)
         bonus_at = gamma - 1 if bonus_from_last_draft and gamma else gamma
         bonus = target_probs[:, bonus_at:bonus_at + 1]
         candidates = torch.cat([sampling.residual(target_probs[:, :gamma], draft_probs), bonus], 1)

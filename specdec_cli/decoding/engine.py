@@ -10,26 +10,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, NamedTuple
 
 import torch
 
-from specdec_cli.cached_model import CachedModel
-from specdec_cli.metrics import (StepRecord, acceptance_by_position, acceptance_rate, draft_time_share,
+from specdec_cli.decoding.cache import CachedModel
+from specdec_cli.decoding.metrics import (StepRecord, acceptance_by_position, acceptance_rate, draft_time_share,
                                  mean_accepted_length)
-from specdec_cli.sampling import SamplingParams, verify_greedy, verify_sampled, warp
-
-
-class Drafter(Protocol):
-    uses_target_features: bool  # whether it reads the target's last hidden states (see drafters.py)
-
-    def start(self, prompt_ids: list[int], max_tokens: int, target_features: torch.Tensor | None) -> None: ...
-
-    def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
-
-    def commit(self, draft_ids: list[int], num_accepted: int, next_token: int,
-               target_features: torch.Tensor | None) -> None: ...
+from specdec_cli.decoding.params import SamplingParams
+from specdec_cli.decoding.sampling import verify_greedy, verify_sampled, warp
+from specdec_cli.drafters.base import Drafter
 
 
 # called after each block with the tokens it added and how many of them were accepted draft tokens
@@ -67,6 +57,17 @@ class GenerationResult:
             "verify_seconds": sum(s.verify_seconds for s in self.steps),
             "draft_time_share": draft_time_share(self.steps),
         }
+
+
+class BlockMarks(NamedTuple):
+    """Clock marks of one block, read only after the loop (on CUDA they are events)."""
+
+    start: object
+    drafted_at: object
+    verified_at: object
+    drafted: int
+    accepted: int
+    emitted: int
 
 
 class Clock:
@@ -109,16 +110,17 @@ class SpeculativeDecoder:
         result = GenerationResult(prompt_ids=list(prompt_ids))
         max_tokens = len(prompt_ids) + max_new_tokens + self.gamma + 1
         clock = self.clock
-        features = self.drafter is not None and self.drafter.uses_target_features
+        # only a drafter that reads the target's hidden states makes the target return them
+        wants_states = self.drafter is not None and self.drafter.reads_target_states
 
         start = clock.mark()
         self.target.reset(max_tokens)
-        prompt_features = None
+        prompt_states = None
         if len(prompt_ids) > 1:
-            prompt_features = self.target.forward(torch.tensor([prompt_ids[:-1]], device=device),
-                                                  last_only=True, hidden=features).hidden
+            prompt_states = self.target.forward(torch.tensor([prompt_ids[:-1]], device=device),
+                                                last_only=True, hidden=wants_states).hidden
         if self.drafter is not None:
-            self.drafter.start(prompt_ids, max_tokens, prompt_features)
+            self.drafter.start(prompt_ids, max_tokens, prompt_states)
         decode_start = clock.mark()
         result.prefill_seconds = clock.seconds(start, decode_start)
 
@@ -132,7 +134,7 @@ class SpeculativeDecoder:
                                    else (last_token[:, :0], None))
             drafted = drafts.shape[1]
             draft_end = clock.mark()
-            verified = self.target.forward(torch.cat([last_token, drafts], dim=1), hidden=features)
+            verified = self.target.forward(torch.cat([last_token, drafts], dim=1), hidden=wants_states)
             logits = verified.logits  # [1, g + 1, V]
             if self.params.greedy:
                 num_accepted, next_token = verify_greedy(drafts, logits)
@@ -148,11 +150,11 @@ class SpeculativeDecoder:
             self.target.rollback(drafted - accepted)
             if self.drafter is not None and gamma:
                 self.drafter.commit(draft_ids, accepted, token,
-                                    verified.hidden[:, :accepted + 1] if features else None)
+                                    verified.hidden[:, :accepted + 1] if wants_states else None)
             new_tokens = draft_ids[:accepted] + [token]
             last_token = next_token[:, None]
             emitted, hit_eos = self._emit(result, new_tokens, ignore_eos)
-            marks.append((block_start, draft_end, verify_end, drafted, accepted, emitted))
+            marks.append(BlockMarks(block_start, draft_end, verify_end, drafted, accepted, emitted))
             if on_tokens is not None:
                 on_tokens(result.token_ids[-emitted:], min(accepted, emitted))
             if hit_eos:
@@ -161,8 +163,9 @@ class SpeculativeDecoder:
 
         end = clock.mark()
         result.decode_seconds = clock.seconds(decode_start, end)
-        result.steps = [StepRecord(drafted=d, accepted=a, emitted=e, draft_seconds=clock.seconds(s, m),
-                                   verify_seconds=clock.seconds(m, v)) for s, m, v, d, a, e in marks]
+        result.steps = [StepRecord(drafted=m.drafted, accepted=m.accepted, emitted=m.emitted,
+                                   draft_seconds=clock.seconds(m.start, m.drafted_at),
+                                   verify_seconds=clock.seconds(m.drafted_at, m.verified_at)) for m in marks]
         return result
 
     def _emit(self, result: GenerationResult, new_tokens: list[int], ignore_eos: bool) -> tuple[int, bool]:

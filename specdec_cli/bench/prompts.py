@@ -51,14 +51,14 @@ def load_prompts(path: Path) -> list[Prompt]:
 
 
 def builtin_suite() -> list[Prompt]:
-    """The suite shipped in specdec_cli/data/benchmark_prompts.jsonl (Spec-Bench format)."""
-    data = resources.files("specdec_cli") / "data" / "benchmark_prompts.jsonl"
+    """The suite shipped in specdec_cli/bench/data/benchmark_prompts.jsonl (Spec-Bench format)."""
+    data = resources.files("specdec_cli.bench") / "data" / "benchmark_prompts.jsonl"
     return _parse(data.read_text(encoding="utf-8"), "benchmark_prompts.jsonl", is_jsonl=True)
 
 
 def training_prompts() -> list[Prompt]:
     """Prompts for `specdec distill`, disjoint from the benchmark suite (a test checks it)."""
-    data = resources.files("specdec_cli") / "data" / "training_prompts.txt"
+    data = resources.files("specdec_cli.bench") / "data" / "training_prompts.txt"
     return _parse(data.read_text(encoding="utf-8"), "training_prompts.txt", is_jsonl=False)
 
 

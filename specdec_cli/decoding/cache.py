@@ -7,8 +7,6 @@ from typing import NamedTuple
 import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
-from specdec_cli.decode_matmul import use_decode_matmul
-from specdec_cli.distilled import feature_inputs
 
 
 class Output(NamedTuple):
@@ -28,7 +26,6 @@ class CachedModel:
 
     def __init__(self, model: PreTrainedModel, vocab_size: int, static_cache: bool):
         self.model = model
-        use_decode_matmul(model)  # decoding feeds 1 to a few tokens: see decode_matmul.py
         self.vocab_size = vocab_size
         self.static_cache = static_cache
         self.device = model.device
@@ -45,13 +42,10 @@ class CachedModel:
                       else DynamicCache(config=config))
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, last_only: bool = False, hidden: bool = False,
-                features: torch.Tensor | None = None) -> Output:
-        """Append input_ids [1, n] to the sequence. `features` [1, n, hidden] are the target's states
-        that a feature draft (see distilled.py) reads beside each token."""
-        inputs = ({"input_ids": input_ids} if features is None
-                  else {"inputs_embeds": feature_inputs(self.model, input_ids, features)})
-        out = self.model(**inputs, cache=self.cache, use_cache=True, output_hidden_states=hidden,
+    def forward(self, input_ids: torch.Tensor | None = None, *, inputs_embeds: torch.Tensor | None = None,
+                last_only: bool = False, hidden: bool = False) -> Output:
+        """Append input_ids [1, n] (or their input vectors [1, n, width]) to the sequence."""
+        out = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, cache=self.cache, use_cache=True, output_hidden_states=hidden,
                          logits_to_keep=1 if last_only else 0)
         logits = out.logits.float()
         width = logits.shape[-1]

@@ -26,8 +26,9 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llam
                           PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast)
 
 from specdec_cli.config import ModelSpec, TinyModel
-from specdec_cli.distilled import DRAFT_INFO, load_draft
+from specdec_cli.models.feature_draft import DRAFT_INFO, load_draft
 from specdec_cli.errors import SpecdecError
+from specdec_cli.models.decode_matmul import use_decode_matmul
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,13 @@ def cache_dir() -> Path:
 def load_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype,
                target: PreTrainedModel | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """`target` is given when loading a draft: a distilled draft borrows its tensors."""
+    model, tokenizer = _load(spec, device, dtype, target)
+    use_decode_matmul(model)  # decoding feeds 1 to a few tokens at a time: see decode_matmul.py
+    return model, tokenizer
+
+
+def _load(spec: ModelSpec, device: torch.device, dtype: torch.dtype,
+          target: PreTrainedModel | None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     transformers.utils.logging.disable_progress_bar()  # specdec shows its own status on stderr
     huggingface_hub.utils.logging.set_verbosity_error()  # one Error: line, not a log of hub retries
     if spec.tiny is not None:

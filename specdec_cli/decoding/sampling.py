@@ -15,20 +15,9 @@ one synchronisation per block, when it reads how many tokens were accepted.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0 selects the greedy path
-    top_k: int = 0  # 0 disables
-    top_p: float = 1.0  # 1 disables
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+from specdec_cli.decoding.params import SamplingParams
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -56,7 +45,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
 
-def first_rejections(accepted: torch.Tensor) -> torch.Tensor:
+def accepted_prefix_length(accepted: torch.Tensor) -> torch.Tensor:
     """Number of leading True values per row. accepted: [B, g] bool -> [B] int64."""
     return accepted.long().cumprod(dim=-1).sum(dim=-1)
 
@@ -66,7 +55,7 @@ def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor
     """Accept while the draft equals the target's argmax, then emit the target's argmax.
     draft_tokens: [B, g]; target_logits: [B, g + 1, V] -> (num_accepted [B], next_token [B])."""
     target_tokens = target_logits.argmax(dim=-1)  # [B, g + 1]
-    num_accepted = first_rejections(draft_tokens == target_tokens[:, :-1])
+    num_accepted = accepted_prefix_length(draft_tokens == target_tokens[:, :-1])
     next_token = target_tokens.gather(1, num_accepted[:, None])[:, 0]
     return num_accepted, next_token
 
@@ -88,7 +77,7 @@ def verify_sampled(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target
     q = draft_probs.gather(-1, draft_tokens[..., None])[..., 0].double()  # [B, g]
     u = torch.rand(batch, gamma, dtype=torch.float64, device=p.device, generator=generator)
     # q == 0 means the draft could not have proposed x: reject (also avoids 0 / 0)
-    num_accepted = first_rejections((u * q < p) & (q > 0))
+    num_accepted = accepted_prefix_length((u * q < p) & (q > 0))
     # row i < g: the residual at draft position i; row g: the bonus distribution
     candidates = torch.cat([residual(target_probs[:, :gamma], draft_probs), target_probs[:, gamma:]], 1)
     chosen = candidates[torch.arange(batch, device=p.device), num_accepted]  # [B, V]

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-from specdec_cli.decode_matmul import linear
+from specdec_cli.models.decode_matmul import linear
 from specdec_cli.errors import SpecdecError
 
 DRAFT_INFO = "specdec-draft.json"

@@ -7,16 +7,21 @@ from dataclasses import dataclass
 
 import torch
 import transformers
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 import specdec_cli
-from specdec_cli.cached_model import CachedModel
-from specdec_cli.checkpoints import load_model
 from specdec_cli.config import Config
-from specdec_cli.drafters import ModelDrafter, NgramDrafter
-from specdec_cli.engine import Drafter, SpeculativeDecoder
+from specdec_cli.decoding.cache import CachedModel
+from specdec_cli.decoding.engine import SpeculativeDecoder
+from specdec_cli.decoding.params import SamplingParams
+from specdec_cli.drafters.base import Drafter
+from specdec_cli.drafters.feature import FeatureDrafter
+from specdec_cli.drafters.model import ModelDrafter
+from specdec_cli.drafters.ngram import NgramDrafter
 from specdec_cli.errors import SpecdecError
-from specdec_cli.sampling import SamplingParams
+from specdec_cli.models.checkpoints import load_model
+from specdec_cli.models.feature_draft import is_feature_draft
+from specdec_cli.models.tokens import encode_prompt, eos_token_ids
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -50,7 +55,7 @@ class Pair:
 
     def decoder(self, params: SamplingParams, speculative: bool = True,
                 num_draft_tokens: int | None = None) -> SpeculativeDecoder:
-        gamma = num_draft_tokens or self.config.speculation.num_draft_tokens
+        gamma = self.config.speculation.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
         return SpeculativeDecoder(self.target, self.drafter if speculative else None, params, gamma,
                                   self.eos_token_ids)
 
@@ -78,27 +83,6 @@ class Pair:
         }
 
 
-def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
-    """End-of-sequence ids from the generation config (one or a list) and the tokenizer."""
-    ids = model.generation_config.eos_token_id
-    ids = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
-
-
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, raw: bool = False,
-                  history: list[dict] | None = None) -> list[int]:
-    """Token ids of a prompt: through the chat template when the tokenizer has one (unless raw).
-    `history` holds earlier turns of a conversation as chat messages."""
-    if not prompt.strip():
-        raise SpecdecError("the prompt is empty")
-    if tokenizer.chat_template and not raw:
-        messages = (history or []) + [{"role": "user", "content": prompt}]
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
-    return list(tokenizer.encode(prompt))
-
-
 def check_tokenizers(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase) -> None:
     """The acceptance test compares token ids: both models must give every token the same id."""
     target_vocab, draft_vocab = target.get_vocab(), draft.get_vocab()
@@ -124,5 +108,6 @@ def load_pair(config: Config) -> Pair:
     else:
         draft_model, draft_tokenizer = load_model(config.draft, device, dtype, target=model)
         check_tokenizers(tokenizer, draft_tokenizer)
-        drafter = ModelDrafter(CachedModel(draft_model, vocab_size, static))
+        kind = FeatureDrafter if is_feature_draft(draft_model) else ModelDrafter
+        drafter = kind(CachedModel(draft_model, vocab_size, static))
     return Pair(config, tokenizer, target, drafter, device, dtype)

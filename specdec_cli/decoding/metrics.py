@@ -122,3 +122,15 @@ def median_and_spread(values: list[float]) -> tuple[float, float, float]:
     if not values:
         raise ValueError("need at least one value")
     return statistics.median(values), min(values), max(values)
+
+
+def per_token_acceptance(steps: list[StepRecord]) -> float | None:
+    """Leviathan's alpha, estimated as accepted / (accepted + rejections).
+
+    Acceptance stops at the first rejection, so positions after it are never tested; accepted/drafted
+    counts them as failures and underestimates alpha (gamma 4, alpha 0.5 gives 0.23). Each block is
+    a run of successes ended by one failure unless all drafts passed: this is the maximum-likelihood
+    alpha of that geometric model."""
+    accepted = sum(s.accepted for s in steps)
+    rejections = sum(s.accepted < s.drafted for s in steps)
+    return accepted / (accepted + rejections) if accepted + rejections else None

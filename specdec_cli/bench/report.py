@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from rich.table import Table
 
+from specdec_cli import display, records
 from specdec_cli.display import environment_caption, fmt
+from specdec_cli.errors import SpecdecError
 
 OVERALL = "overall"  # the group of all prompts, beside each category
 
@@ -150,3 +154,24 @@ def markdown_document(record: dict, reports: list[Report]) -> str:
             f"{record['timestamp']}; {environment_caption(record['environment'])}", "",
             f"Settings: {record['settings']}", ""]
     return "\n".join(head) + "\n" + "\n".join(markdown(r) for r in reports)
+
+
+def load_record(path: Path) -> dict:
+    """A benchmark record.json, or the run folder holding one."""
+    file = path / "record.json" if path.is_dir() else path
+    try:
+        record = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SpecdecError(f"cannot read benchmark record {file}: {exc}") from None
+    if record.get("command") != "benchmark":
+        raise SpecdecError(f"{file} is not a benchmark record")
+    return record
+
+
+def compare(a: Path, b: Path, as_json: bool) -> None:
+    table = compare_report(load_record(a), load_record(b), (f"A: {a}", f"B: {b}"))
+    if as_json:
+        print(records.dumps({"command": "benchmark-compare", "a": str(a), "b": str(b), "header": table.header,
+                             "rows": table.rows}))
+    else:
+        display.stdout.print(rich_table(table))

@@ -11,11 +11,11 @@ import torch
 import transformers
 from transformers import GenerationConfig
 
-from specdec_cli.benchmark import Measure, TurnGenerator
-from specdec_cli.drafters import NgramDrafter
+from specdec_cli.bench.measure import Measure, TurnGenerator
+from specdec_cli.drafters.ngram import NgramDrafter
 from specdec_cli.errors import SpecdecError
-from specdec_cli.pair import Pair
-from specdec_cli.sampling import SamplingParams
+from specdec_cli.models.pair import Pair
+from specdec_cli.decoding.params import SamplingParams
 
 def hf_generator(pair: Pair, params: SamplingParams, gamma: int, max_new_tokens: int,
                  ignore_eos: bool) -> TurnGenerator:
@@ -37,7 +37,7 @@ def hf_generator(pair: Pair, params: SamplingParams, gamma: int, max_new_tokens:
     extra = {}
     if gamma and isinstance(pair.drafter, NgramDrafter):
         settings.update(prompt_lookup_num_tokens=gamma, max_matching_ngram_size=pair.drafter.max_n)
-    elif gamma and pair.drafter.uses_target_features:
+    elif gamma and pair.drafter.reads_target_states:
         raise SpecdecError("--peer hf: transformers' assisted generation cannot run a feature draft (one that "
                            "reads the target's hidden states, as `specdec distill` makes); compare against a "
                            "config with a standalone draft model or an n-gram drafter")

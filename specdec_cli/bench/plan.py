@@ -1,0 +1,94 @@
+"""What a benchmark runs: the modes (who generates, temperature, gamma), settings, and the prompts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdec_cli.bench.prompts import Prompt, builtin_suite, load_prompts, select
+from specdec_cli.bench.report import temperature_label
+from specdec_cli.config import Config
+from specdec_cli.decoding.params import SamplingParams
+from specdec_cli.errors import SpecdecError
+
+SPECDEC, HF = "specdec", "hf"
+PEERS = (HF,)
+QUICK_LIMIT = 1  # prompts per category of the built-in suite when neither --prompts nor --limit is given
+
+
+@dataclass(frozen=True)
+class Mode:
+    """What one run measures: who generates, at which temperature, with how many draft tokens."""
+
+    temperature: float
+    gamma: int  # 0: target alone
+    engine: str = SPECDEC
+
+    @property
+    def label(self) -> str:
+        who = "" if self.engine == SPECDEC else f"{self.engine} "
+        kind = "target only" if self.gamma == 0 else f"speculative γ={self.gamma}"
+        return f"{who}{kind}, {temperature_label(self.temperature)}"
+
+
+@dataclass
+class Plan:
+    temperatures: list[float]
+    gammas: list[int]
+    max_new_tokens: int
+    repeats: int
+    warmup: int
+    ignore_eos: bool
+    seed: int
+    top_k: int
+    top_p: float
+    peer: str | None = None
+
+    def params(self, temperature: float) -> SamplingParams:
+        return SamplingParams(temperature=temperature, top_k=self.top_k, top_p=self.top_p)
+
+    def modes(self) -> list[Mode]:
+        """Per temperature: the baseline first, then each gamma, then the peer's run of each gamma."""
+        modes = []
+        for t in self.temperatures:
+            modes += [Mode(t, 0)] + [Mode(t, g) for g in self.gammas]
+            if self.peer:
+                modes += [Mode(t, g, self.peer) for g in self.gammas]
+        return modes
+
+
+def parse_list(text: str | None, kind: type, option: str) -> list | None:
+    """"1,2,4" -> [1, 2, 4]; None when the option was not given."""
+    if text is None:
+        return None
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SpecdecError(f"{option}: expected comma-separated {kind.__name__} values, got {text!r}") from None
+    if not values:
+        raise SpecdecError(f"{option}: no values given")
+    return list(dict.fromkeys(values))  # drop repeats, keep order
+
+
+def make_plan(cfg: Config, gammas: list[int] | None, temperatures: list[float] | None, repeats: int,
+              warmup: int, peer: str | None) -> Plan:
+    """Defaults: the config's gamma; greedy and the config's temperature (1.0 if the config is greedy)."""
+    gammas = gammas or [cfg.speculation.num_draft_tokens]
+    temperatures = temperatures or list(dict.fromkeys([0.0, cfg.sampling.temperature or 1.0]))
+    if min(gammas) < 1:
+        raise SpecdecError(f"--gamma values must be >= 1, got {gammas}")
+    if min(temperatures) < 0:
+        raise SpecdecError(f"--temperatures must be >= 0 (0 is greedy), got {temperatures}")
+    if repeats < 1 or warmup < 0:
+        raise SpecdecError("--repeats must be >= 1 and --warmup >= 0")
+    if peer is not None and peer not in PEERS:
+        raise SpecdecError(f"unknown --peer {peer!r}; known: {', '.join(PEERS)}")
+    s = cfg.sampling
+    return Plan(temperatures, gammas, cfg.generation.max_new_tokens, repeats, warmup, cfg.generation.ignore_eos,
+                s.seed, s.top_k, s.top_p, peer)
+
+
+def choose_prompts(path: Path | None, category: str | None, limit: int | None) -> list[Prompt]:
+    if path is None:
+        return select(builtin_suite(), category, limit or QUICK_LIMIT)
+    return select(load_prompts(path), category, limit)

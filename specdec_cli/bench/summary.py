@@ -1,0 +1,130 @@
+"""Aggregation: pure functions of a benchmark record's runs, so --compare and tests can use them too.
+Speedup is Spec-Bench's: mean speculative decode tok/s over prompts / mean target-only decode tok/s."""
+
+from __future__ import annotations
+
+import statistics
+
+from specdec_cli.bench.plan import SPECDEC
+from specdec_cli.bench.report import OVERALL, temperature_label
+from specdec_cli.decoding.metrics import (StepRecord, acceptance_by_position, acceptance_rate, cost_ratio,
+                                          draft_time_share, mean_accepted_length, median_and_spread,
+                                          per_token_acceptance, predicted_speedup, speedup)
+
+
+def steps_of(run: dict) -> list[StepRecord]:
+    return [StepRecord(*s) for rep in run["repeats"] for s in rep["steps"]]
+
+
+
+
+def _group_tps(runs: list[dict], key: str) -> list[list[float]]:
+    """Per repeat index, the per-prompt tokens/s (key: decode or end-to-end)."""
+    repeats = min(len(r["repeats"]) for r in runs)
+    return [[r["repeats"][i][key] for r in runs] for i in range(repeats)]
+
+
+def summarize_mode(baseline: list[dict], speculative: list[dict], gamma: int) -> dict:
+    """The numbers of one table cell group: same prompts in both lists, same order.
+
+    Tokens/s is the mean over prompts per repeat; its median and (min, max) over repeats are reported.
+    Speedup is Spec-Bench's mean(spec tok/s) / mean(baseline tok/s), per repeat, then its median."""
+    base_tps = _group_tps(baseline, "tokens_per_second")
+    spec_tps = _group_tps(speculative, "tokens_per_second")
+    speedups = [speedup(b, s) for b, s in zip(base_tps, spec_tps)]
+    base_steps = [s for r in baseline for s in steps_of(r)]
+    spec_steps = [s for r in speculative for s in steps_of(r)]
+    drafted = sum(s.drafted for s in spec_steps)
+    target_forwards = len(base_steps)
+    c = (cost_ratio(sum(s.draft_seconds for s in spec_steps) / drafted,
+                    sum(s.verify_seconds for s in base_steps) / target_forwards)
+         if drafted and target_forwards else None)
+    alpha = per_token_acceptance(spec_steps)
+    return {
+        "prompts": len(speculative),
+        "gamma": gamma,
+        "baseline_tokens_per_second": median_and_spread([statistics.fmean(t) for t in base_tps]),
+        "speculative_tokens_per_second": median_and_spread([statistics.fmean(t) for t in spec_tps]),
+        "speedup": median_and_spread(speedups),
+        "mean_accepted_length": mean_accepted_length(spec_steps),
+        "acceptance_rate": acceptance_rate(spec_steps),
+        "per_token_acceptance": alpha,
+        "acceptance_by_position": acceptance_by_position(spec_steps, gamma),
+        "draft_time_share": draft_time_share(spec_steps),
+        "cost_ratio": c,
+        "predicted_speedup": predicted_speedup(alpha, gamma, c) if alpha is not None and c is not None else None,
+        "greedy_identical": greedy_identical(baseline, speculative),
+        "baseline_prefill_seconds": _mean_prefill(baseline),
+        "speculative_prefill_seconds": _mean_prefill(speculative),
+    }
+
+
+def greedy_identical(baseline: list[dict], speculative: list[dict]) -> int | None:
+    """Prompts whose greedy speculative output equals the target-only output, token for token (None
+    when sampled, or for records from before token ids were kept)."""
+    if baseline[0]["temperature"] != 0 or "token_ids" not in baseline[0]["repeats"][0]:
+        return None
+    return sum(b["repeats"][0]["token_ids"] == s["repeats"][0]["token_ids"] for b, s in zip(baseline, speculative))
+
+
+def _mean_prefill(runs: list[dict]) -> float | None:
+    values = [rep["prefill_seconds"] for r in runs for rep in r["repeats"]]
+    return statistics.fmean(values) if values and None not in values else None
+
+
+def _by_prompt(runs: list[dict], engine: str, temperature: float, gamma: int, group: str = OVERALL
+               ) -> dict[str, dict]:
+    return {r["prompt_id"]: r for r in runs if (r["engine"], r["temperature"], r["gamma"]) == (engine, temperature, gamma)
+            and group in (OVERALL, r["category"])}
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """One entry per (group, temperature, gamma), group being each category and "overall"; prompts
+    missing a mode (an interrupted run) are left out of that comparison."""
+    out = []
+    specdec = [r for r in runs if r["engine"] == SPECDEC]
+    categories = sorted({r["category"] for r in specdec})
+    for temperature in sorted({r["temperature"] for r in specdec}):
+        for gamma in sorted({r["gamma"] for r in specdec} - {0}):
+            for group in categories + [OVERALL]:
+                base = _by_prompt(specdec, SPECDEC, temperature, 0, group)
+                spec = _by_prompt(specdec, SPECDEC, temperature, gamma, group)
+                ids = [i for i in spec if i in base]
+                if ids:
+                    out.append({"group": group, "temperature": temperature,
+                                **summarize_mode([base[i] for i in ids], [spec[i] for i in ids], gamma)})
+    return out
+
+
+def summarize_peers(runs: list[dict]) -> list[dict]:
+    """Per (engine, temperature, gamma), the peer beside specdec's run of the same prompts, as
+    end-to-end tokens/s (prefill + decode), because transformers' generate() does not time them apart."""
+    out = []
+    key = "end_to_end_tokens_per_second"
+    for engine, temperature, gamma in sorted({(r["engine"], r["temperature"], r["gamma"])
+                                              for r in runs if r["engine"] != SPECDEC}):
+        peers = _by_prompt(runs, engine, temperature, gamma)
+        ours = _by_prompt(runs, SPECDEC, temperature, gamma)
+        ids = [i for i in peers if i in ours]
+        if ids:
+            ours_tps = [statistics.fmean(t) for t in _group_tps([ours[i] for i in ids], key)]
+            peer_tps = [statistics.fmean(t) for t in _group_tps([peers[i] for i in ids], key)]
+            out.append({"engine": engine, "temperature": temperature, "gamma": gamma, "prompts": len(ids),
+                        "specdec_tokens_per_second": median_and_spread(ours_tps),
+                        "peer_tokens_per_second": median_and_spread(peer_tps)})
+    return out
+
+
+def gate_failures(summary: list[dict], min_speedup: float | None, min_accept_length: float | None) -> list[str]:
+    """Overall rows that miss a gate, as readable lines; every (temperature, gamma) must pass."""
+    failures = []
+    for row in (r for r in summary if r["group"] == OVERALL):
+        mode = f"{temperature_label(row['temperature'])}, γ={row['gamma']}"
+        measured = row["speedup"][0]
+        if min_speedup is not None and measured < min_speedup:
+            failures.append(f"speedup {measured:.2f} < {min_speedup:g} ({mode})")
+        length = row["mean_accepted_length"]
+        if min_accept_length is not None and (length is None or length < min_accept_length):
+            failures.append(f"mean accepted length {length if length is None else f'{length:.2f}'} "
+                            f"< {min_accept_length:g} ({mode})")
+    return failures
