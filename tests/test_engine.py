@@ -4,19 +4,29 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from specdec_cli.models.checkpoints import build_tiny
 from specdec_cli.config import TinyModel
+from specdec_cli.drafters.feature import FeatureDrafter
 from specdec_cli.drafters.model import ModelDrafter
 from specdec_cli.drafters.ngram import NgramDrafter
 from specdec_cli.decoding.engine import SpeculativeDecoder
 from specdec_cli.decoding.params import SamplingParams
+from specdec_cli.errors import SpecdecError
+from specdec_cli.models.feature_draft import init_draft
 from specdec_cli.decoding.metrics import acceptance_rate, mean_accepted_length
 
 from conftest import cached
 
 GREEDY = SamplingParams()
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown"
+
+
+@pytest.fixture(params=[False, True], ids=["dynamic-cache", "static-cache"])
+def static(request):
+    """Every engine test runs on both cache kinds (the static one in its CUDA state: see conftest)."""
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +47,6 @@ def speculative(target, draft, prompt_ids, max_new, gamma, params=GREEDY, seed=0
     return decoder.generate(prompt_ids, max_new, seed)
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["dynamic-cache", "static-cache"])
 @pytest.mark.parametrize("gamma", [1, 2, 4, 7])
 def test_identical_draft_accepts_everything(tiny_target, tokenizer, gamma, static):
     prompt = tokenizer.encode(PROMPT)
@@ -49,7 +58,6 @@ def test_identical_draft_accepts_everything(tiny_target, tokenizer, gamma, stati
     assert acceptance_rate(result.steps) == 1.0
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["dynamic-cache", "static-cache"])
 @pytest.mark.parametrize("gamma", [1, 3, 5])
 def test_greedy_output_is_the_targets_with_a_different_draft(tiny_target, noisy_draft, tokenizer, gamma,
                                                             static):
@@ -62,10 +70,10 @@ def test_greedy_output_is_the_targets_with_a_different_draft(tiny_target, noisy_
 
 
 @pytest.mark.parametrize("gamma", [1, 4])
-def test_greedy_output_is_the_targets_with_the_ngram_drafter(tiny_target, tokenizer, gamma):
+def test_greedy_output_is_the_targets_with_the_ngram_drafter(tiny_target, tokenizer, gamma, static):
     prompt = tokenizer.encode(PROMPT * 2)
-    baseline = target_only(tiny_target, prompt, 40)
-    result = speculative(tiny_target, None, prompt, 40, gamma)
+    baseline = target_only(tiny_target, prompt, 40, static=static)
+    result = speculative(tiny_target, None, prompt, 40, gamma, static=static)
     assert result.token_ids == baseline.token_ids
     assert sum(s.drafted for s in result.steps) > 0
 
@@ -78,30 +86,85 @@ def test_ngram_lookup_proposes_what_followed_the_latest_match():
     assert drafter.lookup(3) == []
 
 
-def test_sampling_is_reproducible_with_a_seed(tiny_target, noisy_draft, tokenizer):
+def test_sampling_is_reproducible_with_a_seed(tiny_target, noisy_draft, tokenizer, static):
     prompt = tokenizer.encode(PROMPT)
     params = SamplingParams(temperature=1.0, top_k=20, top_p=0.9)
-    first = speculative(tiny_target, noisy_draft, prompt, 30, 3, params, seed=7)
-    again = speculative(tiny_target, noisy_draft, prompt, 30, 3, params, seed=7)
-    other = speculative(tiny_target, noisy_draft, prompt, 30, 3, params, seed=8)
+    first = speculative(tiny_target, noisy_draft, prompt, 30, 3, params, seed=7, static=static)
+    again = speculative(tiny_target, noisy_draft, prompt, 30, 3, params, seed=7, static=static)
+    other = speculative(tiny_target, noisy_draft, prompt, 30, 3, params, seed=8, static=static)
     assert first.token_ids == again.token_ids
     assert first.token_ids != other.token_ids
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 5, 9, 10])
-def test_never_more_than_max_new_tokens(tiny_target, tokenizer, max_new):
-    result = speculative(tiny_target, tiny_target, tokenizer.encode(PROMPT), max_new, gamma=4)
+def test_never_more_than_max_new_tokens(tiny_target, tokenizer, max_new, static):
+    result = speculative(tiny_target, tiny_target, tokenizer.encode(PROMPT), max_new, gamma=4, static=static)
     assert len(result.token_ids) == max_new
     assert result.stop_reason == "length"
 
 
-def test_nothing_after_eos(tiny_target, tokenizer):
+def test_nothing_after_eos(tiny_target, tokenizer, static):
     prompt = tokenizer.encode(PROMPT)
-    free_run = target_only(tiny_target, prompt, 30).token_ids
+    free_run = target_only(tiny_target, prompt, 30, static=static).token_ids
     eos = free_run[5]  # pretend the 6th greedy token is EOS: it lands inside a block
     cut = free_run.index(eos) + 1
     for gamma in (2, 4):
-        result = speculative(tiny_target, tiny_target, prompt, 30, gamma, eos={eos})
+        result = speculative(tiny_target, tiny_target, prompt, 30, gamma, eos={eos}, static=static)
         assert result.token_ids == free_run[:cut]
         assert result.stop_reason == "eos"
-    assert target_only(tiny_target, prompt, 30, eos={eos}).token_ids == free_run[:cut]
+    assert target_only(tiny_target, prompt, 30, eos={eos}, static=static).token_ids == free_run[:cut]
+
+
+def sliding_window_model(noise: float = 0.0):
+    """A tiny Qwen2 whose second layer attends over a window of 8 tokens (Mistral, Gemma 2/3 and
+    Qwen2 with use_sliding_window mix such layers in the same way)."""
+    config = Qwen2Config(vocab_size=258, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
+                         max_window_layers=1, max_position_embeddings=512, initializer_range=0.3)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config).eval()
+        with torch.no_grad():
+            for weight in model.parameters():
+                weight.add_(torch.randn_like(weight) * noise)
+    return model
+
+
+@torch.no_grad()
+def greedy_without_cache(model, prompt_ids, max_new):
+    """The reference: every token from a full forward over the whole sequence, no cache to get wrong."""
+    ids = list(prompt_ids)
+    for _ in range(max_new):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt_ids):]
+
+
+def test_sliding_window_layers_roll_back_exactly(tokenizer, static):
+    target = sliding_window_model()
+    assert target.config.layer_types == ["full_attention", "sliding_attention"]
+    prompt = tokenizer.encode("The quick brown fox")  # 19 tokens: past the window of 8 from the start
+    reference = greedy_without_cache(target, prompt, 40)
+    result = speculative(target, sliding_window_model(noise=0.02), prompt, 40, 3, static=static)
+    assert result.token_ids == reference
+    assert 0 < acceptance_rate(result.steps) < 1  # rollbacks happened, well past the window
+    assert target_only(target, prompt, 40, static=static).token_ids == reference
+
+
+def test_models_with_state_that_cannot_be_rolled_back_are_refused(tiny_target):
+    model = build_tiny(TinyModel(seed=0))
+    model.config.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(SpecdecError, match="linear_attention layers.*cannot be rolled back"):
+        cached(model)
+
+
+def test_a_feature_draft_reads_the_prompt_before_decoding_starts(tiny_target, tokenizer):
+    """Its pass over the prompt belongs to prefill: after `start` only the prompt's last input is left,
+    so the first block's drafting time is that of one token, whatever the prompt's length."""
+    draft = init_draft(tiny_target, 1, torch.arange(tiny_target.config.vocab_size)).eval()
+    prompt = tokenizer.encode(PROMPT)
+    target = cached(tiny_target)
+    target.reset(len(prompt))
+    states = target.forward(torch.tensor([prompt[:-1]]), hidden=True).hidden
+    drafter = FeatureDrafter(cached(draft))
+    drafter.start(prompt, len(prompt) + 8, states)
+    assert drafter.pending == prompt[-1:] and drafter.model.cache.get_seq_length() == len(prompt) - 2
