@@ -65,7 +65,7 @@ def generate(
     pair.check_fits(prompt_ids, cfg.generation.max_new_tokens)
 
     # with --json the stream only collects tokens, so Ctrl-C can still save what was generated
-    stream = display.TokenStream(pair.tokenizer, display.quiet if as_json else display.stdout)
+    stream = display.TokenStream(pair.tokenizer, None if as_json else display.stdout)
     decoder = pair.decoder(SamplingParams.from_config(cfg.sampling))
     record = {**records.header("generate", cfg, pair.describe()), "prompt": text, "raw": raw,
               "prompt_ids": prompt_ids, "seed": cfg.sampling.seed}

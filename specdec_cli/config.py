@@ -7,6 +7,7 @@ key that is not a field is an error that names it, and so is a value of the wron
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -205,8 +206,8 @@ def apply_overrides(config: Config, overrides: dict[str, Any]) -> Config:
 def validate(config: Config) -> None:
     """Range checks that types alone do not catch. Runs after overrides, so flags are checked too."""
     s = config.sampling
-    if s.temperature < 0:
-        raise SpecdecError(f"temperature must be >= 0 (0 is greedy), got {s.temperature}")
+    if not math.isfinite(s.temperature) or s.temperature < 0:
+        raise SpecdecError(f"temperature must be a finite number >= 0 (0 is greedy), got {s.temperature}")
     if not 0 < s.top_p <= 1:
         raise SpecdecError(f"top_p must be in (0, 1], got {s.top_p}")
     if s.top_k < 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from typing import TYPE_CHECKING
 
 from rich.console import Console
@@ -16,7 +17,6 @@ if TYPE_CHECKING:  # only for annotations: the CLI starts without importing tran
 PIPED_WIDTH = 160
 stdout = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else PIPED_WIDTH)
 stderr = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else PIPED_WIDTH)
-quiet = Console(quiet=True)  # for output that is collected but not shown
 
 DRAFT_STYLE = "green"  # tokens the target accepted from the draft
 
@@ -27,25 +27,37 @@ def fmt(value, spec: str = ".2f", unit: str = "") -> str:
 
 class TokenStream:
     """Prints generated text as it arrives; accepted draft tokens in colour on a terminal (Rich drops
-    styles when stdout is piped, leaving plain text)."""
+    styles when stdout is piped, leaving plain text). Without a console it only collects token ids.
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, console: Console = stdout):
+    Each token decodes a short window (the tokens since the last printed piece, plus the piece before
+    them for context), so streaming costs the same per token however long the answer grows."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, console: Console | None = stdout):
         self.tokenizer = tokenizer
         self.console = console
         self.token_ids: list[int] = []
-        self.text = ""
+        self.prefix_offset = self.read_offset = 0  # window start; end of what is printed
 
     def __call__(self, new_tokens: list[int], num_from_draft: int) -> None:
         for i, token in enumerate(new_tokens):
             self.token_ids.append(token)
-            text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-            if text.endswith("\ufffd"):
-                continue  # an incomplete UTF-8 sequence: wait for the token that completes it
-            piece, self.text = text[len(self.text):], text
-            self.console.print(Text(piece, style=DRAFT_STYLE if i < num_from_draft else ""), end="")
+            if self.console is None:
+                continue
+            window = self.token_ids[self.prefix_offset:]
+            printed = self.tokenizer.decode(window[:self.read_offset - self.prefix_offset], skip_special_tokens=True)
+            text = self.tokenizer.decode(window, skip_special_tokens=True)
+            if len(text) <= len(printed) or text.endswith("\ufffd"):
+                continue  # nothing new, or an incomplete UTF-8 sequence: wait for the token that completes it
+            self.console.print(Text(text[len(printed):], style=DRAFT_STYLE if i < num_from_draft else ""), end="")
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+
+    @property
+    def text(self) -> str:
+        return self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
 
     def close(self) -> None:
-        self.console.print()
+        if self.console is not None:
+            self.console.print()
 
 
 def environment_caption(env: dict) -> str:
@@ -78,12 +90,64 @@ def generation_table(stats: dict, env: dict, title: str) -> Table:
 
 
 def progress():
-    """A progress bar on stderr for long work (benchmark prompts, verify stages, distill steps)."""
+    """Progress on stderr for long work (benchmark prompts, verify stages, distill steps): a bar on a
+    terminal, and in a log (CI) a plain line now and then."""
+    if not stderr.is_terminal:
+        return ProgressLines(stderr)
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                                TimeRemainingColumn)
 
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     TimeRemainingColumn(), console=stderr)
+
+
+class ProgressLines:
+    """The part of rich's Progress that specdec uses, printed as lines like
+    `progress: prompt 3/13 ...: 6/26 (23%), 1m02s elapsed, ETA 3m28s`, at most one per `every` seconds
+    for a task, and one when it completes."""
+
+    def __init__(self, console: Console, every: float = 30.0):
+        self.console, self.every = console, every
+        self.tasks: list[dict] = []
+
+    def __enter__(self) -> ProgressLines:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def add_task(self, description: str, total: float, completed: float = 0) -> int:
+        now = time.monotonic()
+        self.tasks.append({"description": description, "total": total, "completed": completed,
+                           "started": now, "printed": now})
+        return len(self.tasks) - 1
+
+    def advance(self, task: int, advance: float = 1) -> None:
+        self.update(task, advance=advance)
+
+    def update(self, task: int, advance: float | None = None, completed: float | None = None,
+               description: str | None = None) -> None:
+        t = self.tasks[task]
+        before = t["completed"]
+        t["completed"] = completed if completed is not None else before + (advance or 0)
+        t["description"] = description or t["description"]
+        now = time.monotonic()
+        finished = t["completed"] >= t["total"] > before
+        if finished or now - t["printed"] >= self.every:
+            t["printed"] = now
+            self.console.print(progress_line(t["description"], t["completed"], t["total"], now - t["started"]),
+                               markup=False, highlight=False)
+
+
+def progress_line(description: str, done: float, total: float, elapsed: float) -> str:
+    share = done / total if total else 1.0
+    eta = f", ETA {duration(elapsed / share - elapsed)}" if 0 < share < 1 else ""
+    return f"progress: {description}: {done:g}/{total:g} ({share:.0%}), {duration(elapsed)} elapsed{eta}"
+
+
+def duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
 def progress_stage(bar):
@@ -95,13 +159,16 @@ def progress_stage(bar):
 
 
 def verification_table(rows: list, title: str, caption: str) -> Table:
-    """One row per check of `specdec verify-distribution` (rows: verify.Row)."""
+    """One row per check of `specdec verify-distribution` (rows: verify.Row). The TV column: the draws'
+    total variation from the target on the test's bins, and the bound the output's own stays under at
+    the row's confidence (the test's resolution)."""
     table = Table(title=title, caption=caption)
-    for name in ("check", "what", "samples", "statistic", "p-value", "TV (upper bound)", "threshold", "result"):
+    for name in ("check", "what", "samples", "statistic", "p-value", "binned TV (bound)", "threshold", "result"):
         table.add_column(name, justify="right" if name in ("samples", "p-value") else "left")
+    results = {"pass": "[green]PASS[/]", "fail": "[bold red]FAIL[/]", "not run": "[yellow]NOT RUN[/]"}
     for r in rows:
         tv = "n/a" if r.tv is None else f"{r.tv:.3f} (<= {r.tv_bound:.3f})"
-        result = "[green]PASS[/]" if r.passed else "[bold red]FAIL[/]"
+        result = results[r.status]
         what = f"{r.what}\n[dim]{r.note}[/]" if r.note else r.what
         table.add_row(r.check, what, str(r.samples), r.statistic, fmt(r.p_value, ".3g"), tv, r.threshold, result)
     return table

@@ -8,12 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
-from specdec_cli.models.checkpoints import build_tiny, byte_tokenizer
 from specdec_cli.cli import app
 from specdec_cli.config import TinyModel
-from specdec_cli.errors import EXIT_BAD_INPUT
+from specdec_cli.errors import EXIT_BAD_INPUT, SpecdecError
+from specdec_cli.models.checkpoints import build_tiny, byte_tokenizer
+from specdec_cli.models.pair import resolve_device
 
 runner = CliRunner()
 
@@ -85,7 +87,9 @@ def assert_one_line_error(result, *fragments: str, code: int = EXIT_BAD_INPUT):
     ({"extra": 1}, ["unknown key", "`extra`"]),
     ({"sampling": {"temperature": "hot"}}, ["`sampling.temperature` must be float"]),
     ({"sampling": {"top_k": 1.5}}, ["`sampling.top_k` must be int"]),
-    ({"sampling": {"temperature": -1}}, ["temperature must be >= 0"]),
+    ({"sampling": {"temperature": -1}}, ["temperature must be a finite number >= 0"]),
+    ({"sampling": {"temperature": float("nan")}}, ["temperature must be a finite number >= 0", "nan"]),
+    ({"sampling": {"temperature": float("inf")}}, ["temperature must be a finite number >= 0", "inf"]),
     ({"sampling": {"top_p": 0}}, ["top_p must be in (0, 1]"]),
     ({"sampling": {"top_p": 1.5}}, ["top_p must be in (0, 1]"]),
     ({"sampling": {"top_k": -1}}, ["top_k must be >= 0"]),
@@ -102,13 +106,29 @@ def test_config_errors(write_config, changes, fragments):
 
 
 @pytest.mark.parametrize("args, fragments", [
-    (["--temperature", "-0.5"], ["temperature must be >= 0"]),
+    (["--temperature", "-0.5"], ["temperature must be a finite number >= 0"]),
+    (["--temperature", "nan"], ["temperature must be a finite number >= 0"]),
+    (["--temperature", "inf"], ["temperature must be a finite number >= 0"]),
     (["--top-p", "2"], ["top_p must be in (0, 1]"]),
     (["--gamma", "0"], ["num_draft_tokens must be >= 1"]),
 ])
 def test_flag_errors(write_config, args, fragments):
     result = run("generate", "-c", str(write_config()), "--prompt", "Hello there", *args)
     assert_one_line_error(result, *fragments)
+
+
+def test_benchmark_refuses_nan_temperatures(write_config):
+    result = run("benchmark", "-c", str(write_config()), "--temperatures", "0,nan")
+    assert_one_line_error(result, "--temperatures must be finite numbers >= 0")
+
+
+def test_a_cuda_device_this_machine_lacks_is_bad_input(monkeypatch):
+    # as on a machine with one GPU: the hardware query answers so, nothing else is stood in for
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SpecdecError, match="cuda:7 requested but this machine has 1 CUDA device"):
+        resolve_device("cuda:7")
+    assert resolve_device("cuda:0") == torch.device("cuda:0")
 
 
 def test_malformed_yaml(tmp_path):
@@ -151,3 +171,11 @@ def test_usage_errors_are_one_line_from_the_real_entry_point(args):
     assert done.returncode == EXIT_BAD_INPUT
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: "), done.stderr
+
+
+def test_the_command_line_starts_without_torch_or_transformers():
+    """--help, argument checks and --compare must not pay for loading torch and transformers."""
+    code = ("import sys, specdec_cli.cli; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -168,3 +170,15 @@ def test_a_feature_draft_reads_the_prompt_before_decoding_starts(tiny_target, to
     drafter = FeatureDrafter(cached(draft))
     drafter.start(prompt, len(prompt) + 8, states)
     assert drafter.pending == prompt[-1:] and drafter.model.cache.get_seq_length() == len(prompt) - 2
+
+
+def test_showing_tokens_is_not_decoding_time(tiny_target, tokenizer):
+    pauses = []
+
+    def slow_display(tokens, from_draft):
+        time.sleep(0.05)
+        pauses.append(0.05)
+
+    decoder = SpeculativeDecoder(cached(tiny_target), None, GREEDY, 1, set())
+    result = decoder.generate(tokenizer.encode(PROMPT), 16, 0, on_tokens=slow_display)
+    assert len(pauses) == 16 and result.decode_seconds < sum(pauses) / 2

@@ -160,3 +160,13 @@ def test_warp_top_k_and_top_p():
                           torch.tensor([1.0, 0, 0, 0]))
     sharper = warp(logits, SamplingParams(temperature=0.5))
     assert torch.allclose(sharper, torch.tensor([16, 9, 4, 1]) / 30)
+
+
+def test_sampling_is_the_float64_exponential_race():
+    """The race argmax(p / E) is decided by the smallest E, where float32 draws are coarsest and
+    devices' generators may round differently: the noise is drawn in float64. (On CPU float32 noise
+    gives the same draws from the same generator state, so this pins the rule, not a CPU bias.)"""
+    probs = torch.tensor([[0.2, 0.3, 0.5]]).expand(4096, 3)
+    drawn = sample(probs, torch.Generator().manual_seed(3))
+    noise = torch.empty(probs.shape, dtype=torch.float64).exponential_(generator=torch.Generator().manual_seed(3))
+    assert torch.equal(drawn, (probs.double() / noise).argmax(dim=-1))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,7 +12,8 @@ from specdec_cli.config import Config
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.errors import SpecdecError
 
-SPECDEC, HF = "specdec", "hf"
+SPECDEC, HF = "specdec", "hf"  # engines; HF alone is transformers' plain generate()
+HF_ASSISTED, HF_LOOKUP = "hf assisted", "hf prompt lookup"  # the hf peer's speculative engines
 PEERS = (HF,)
 QUICK_LIMIT = 1  # prompts per category of the built-in suite when neither --prompts nor --limit is given
 
@@ -43,17 +45,18 @@ class Plan:
     top_k: int
     top_p: float
     peer: str | None = None
+    peer_drafting: str | None = None  # the peer's speculative engine, chosen once the models are loaded
 
     def params(self, temperature: float) -> SamplingParams:
         return SamplingParams(temperature=temperature, top_k=self.top_k, top_p=self.top_p)
 
     def modes(self) -> list[Mode]:
-        """Per temperature: the baseline first, then each gamma, then the peer's run of each gamma."""
+        """Per temperature: the baseline first, then each gamma, then the peer alone and its run of each gamma."""
         modes = []
         for t in self.temperatures:
             modes += [Mode(t, 0)] + [Mode(t, g) for g in self.gammas]
             if self.peer:
-                modes += [Mode(t, g, self.peer) for g in self.gammas]
+                modes += [Mode(t, 0, self.peer)] + [Mode(t, g, self.peer_drafting) for g in self.gammas]
         return modes
 
 
@@ -77,8 +80,8 @@ def make_plan(cfg: Config, gammas: list[int] | None, temperatures: list[float] |
     temperatures = temperatures or list(dict.fromkeys([0.0, cfg.sampling.temperature or 1.0]))
     if min(gammas) < 1:
         raise SpecdecError(f"--gamma values must be >= 1, got {gammas}")
-    if min(temperatures) < 0:
-        raise SpecdecError(f"--temperatures must be >= 0 (0 is greedy), got {temperatures}")
+    if not all(math.isfinite(t) and t >= 0 for t in temperatures):
+        raise SpecdecError(f"--temperatures must be finite numbers >= 0 (0 is greedy), got {temperatures}")
     if repeats < 1 or warmup < 0:
         raise SpecdecError("--repeats must be >= 1 and --warmup >= 0")
     if peer is not None and peer not in PEERS:

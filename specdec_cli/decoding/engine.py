@@ -126,6 +126,7 @@ class SpeculativeDecoder:
 
         last_token = torch.tensor([prompt_ids[-1:]], device=device)  # [1, 1]
         marks = []
+        display_seconds = 0.0
         while len(result.token_ids) < max_new_tokens:
             # never draft past the limit: the block's own token needs one of the remaining slots
             gamma = min(self.gamma, max_new_tokens - len(result.token_ids) - 1)
@@ -155,14 +156,16 @@ class SpeculativeDecoder:
             last_token = next_token[:, None]
             emitted, hit_eos = self._emit(result, new_tokens, ignore_eos)
             marks.append(BlockMarks(block_start, draft_end, verify_end, drafted, accepted, emitted))
-            if on_tokens is not None:
+            if on_tokens is not None:  # showing tokens is not decoding: keep it off the clock
+                shown = time.perf_counter()
                 on_tokens(result.token_ids[-emitted:], min(accepted, emitted))
+                display_seconds += time.perf_counter() - shown
             if hit_eos:
                 result.stop_reason = "eos"
                 break
 
         end = clock.mark()
-        result.decode_seconds = clock.seconds(decode_start, end)
+        result.decode_seconds = clock.seconds(decode_start, end) - display_seconds
         result.steps = [StepRecord(drafted=m.drafted, accepted=m.accepted, emitted=m.emitted,
                                    draft_seconds=clock.seconds(m.start, m.drafted_at),
                                    verify_seconds=clock.seconds(m.drafted_at, m.verified_at)) for m in marks]

@@ -39,10 +39,12 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One draw per row: argmax(p / E) with E ~ Exp(1) picks index i with probability p_i, without
-    the host sync of torch.multinomial. probs: [..., V] -> [...] int64."""
-    noise = torch.empty_like(probs).exponential_(generator=generator)
+    the host sync of torch.multinomial. The noise is float64: float32 draws are coarse near 0, where
+    the winner is decided, and devices' generators may floor or round them differently.
+    probs: [..., V] -> [...] int64."""
+    noise = torch.empty(probs.shape, dtype=torch.float64, device=probs.device).exponential_(generator=generator)
     # a zero draw would turn 0/0 into NaN, which argmax would pick: keep E positive
-    return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+    return (probs.double() / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
 
 def accepted_prefix_length(accepted: torch.Tensor) -> torch.Tensor:

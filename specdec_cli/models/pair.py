@@ -31,7 +31,11 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise SpecdecError(f"device {name} requested but CUDA is not available (torch {torch.__version__})")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise SpecdecError(f"device {name} requested but this machine has {torch.cuda.device_count()} CUDA "
+                           f"device(s): cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
