@@ -76,8 +76,9 @@ def generation_table(stats: dict, env: dict, title: str) -> Table:
         ("Decode tokens/s", fmt(stats["tokens_per_second"], ".1f")),
         ("Prefill / decode time", f"{stats['prefill_seconds']:.2f} s / {stats['decode_seconds']:.2f} s"),
         ("Target forward passes", str(stats["target_forwards"])),
-        ("Mean accepted length (tokens per target forward, incl. bonus)",
-         fmt(stats["mean_accepted_length"])),
+        ("Mean accepted length: tokens per target forward, incl. bonus", fmt(stats["mean_accepted_length"])),
+        ("Mean acceptance length as vLLM/SGLang: 1 + accepted / drafting blocks",
+         fmt(stats["vllm_mean_acceptance_length"])),
         ("Draft acceptance rate", f"{fmt(stats['acceptance_rate'], '.1%')} "
                                   f"({stats['accepted_draft_tokens']}/{stats['draft_tokens']} drafts)"),
         ("Acceptance by draft position", positions),

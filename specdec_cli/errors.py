@@ -11,3 +11,7 @@ class SpecdecError(Exception):
     def __init__(self, message: str, exit_code: int = EXIT_BAD_INPUT):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class FetchError(SpecdecError):
+    """A checkpoint that could not be downloaded (no registry or hub reachable from here)."""

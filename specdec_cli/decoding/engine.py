@@ -16,7 +16,7 @@ import torch
 
 from specdec_cli.decoding.cache import CachedModel
 from specdec_cli.decoding.metrics import (StepRecord, acceptance_by_position, acceptance_rate, draft_time_share,
-                                 mean_accepted_length)
+                                          mean_accepted_length, vllm_mean_acceptance_length)
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.decoding.sampling import verify_greedy, verify_sampled, warp
 from specdec_cli.drafters.base import Drafter
@@ -49,6 +49,7 @@ class GenerationResult:
             "decode_seconds": self.decode_seconds,
             "target_forwards": len(self.steps),
             "mean_accepted_length": mean_accepted_length(self.steps),
+            "vllm_mean_acceptance_length": vllm_mean_acceptance_length(self.steps),
             "draft_tokens": sum(s.drafted for s in self.steps),
             "accepted_draft_tokens": sum(s.accepted for s in self.steps),
             "acceptance_rate": acceptance_rate(self.steps),

