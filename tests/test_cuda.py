@@ -1,0 +1,70 @@
+"""The CUDA path: static cache, device-side sampling, CUDA-event timing. Skipped without a GPU;
+`scripts/check_cuda.py` runs these and a short generate/verify/benchmark on a GPU machine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec_cli.decoding.engine import SpeculativeDecoder
+from specdec_cli.decoding.metrics import acceptance_rate
+from specdec_cli.decoding.params import SamplingParams
+from specdec_cli.decoding.sampling import sample
+from specdec_cli.drafters.model import ModelDrafter
+from specdec_cli.config import TinyModel
+from specdec_cli.models.checkpoints import build_tiny
+
+from conftest import cached
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown"
+
+
+@pytest.fixture(autouse=True)
+def static_cache_as_on_cuda():
+    """On a GPU the static cache is in its CUDA state already: nothing to emulate (see conftest)."""
+
+
+def on_cuda(noise: float = 0.0, dtype: torch.dtype = torch.float32):
+    return build_tiny(TinyModel(seed=0, noise=noise)).to("cuda", dtype).eval()
+
+
+def decode(target, draft, prompt_ids, params, gamma=3, seed=0, max_new=48):
+    drafter = ModelDrafter(cached(draft, static=True)) if draft is not None else None
+    decoder = SpeculativeDecoder(cached(target, static=True), drafter, params, gamma, set())
+    return decoder.generate(prompt_ids, max_new, seed)
+
+
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_greedy_output_is_the_targets_on_cuda(tokenizer, gamma):
+    target, draft = on_cuda(), on_cuda(noise=0.005)
+    prompt = tokenizer.encode(PROMPT)
+    baseline = decode(target, None, prompt, SamplingParams())
+    result = decode(target, draft, prompt, SamplingParams(), gamma)
+    assert result.token_ids == baseline.token_ids
+    assert 0 < acceptance_rate(result.steps) < 1  # rollbacks of the static cache happened
+    assert result.decode_seconds > 0 and all(s.verify_seconds > 0 for s in result.steps)  # CUDA events
+
+
+def test_bfloat16_identical_draft_accepts_everything(tokenizer):
+    target = on_cuda(dtype=torch.bfloat16)
+    result = decode(target, target, tokenizer.encode(PROMPT), SamplingParams(), gamma=4, max_new=20)
+    assert acceptance_rate(result.steps) == 1.0
+
+
+def test_sampling_is_reproducible_on_cuda(tokenizer):
+    target, draft = on_cuda(), on_cuda(noise=0.005)
+    params = SamplingParams(temperature=1.0, top_k=20, top_p=0.9)
+    prompt = tokenizer.encode(PROMPT)
+    runs = [decode(target, draft, prompt, params, seed=seed).token_ids for seed in (7, 7, 8)]
+    assert runs[0] == runs[1] != runs[2]
+
+
+def test_cuda_sampling_is_the_float64_exponential_race():
+    probs = torch.tensor([[0.2, 0.3, 0.5]], device="cuda").expand(4096, 3)
+    drawn = sample(probs, torch.Generator(device="cuda").manual_seed(3))
+    noise = torch.empty(probs.shape, dtype=torch.float64, device="cuda").exponential_(
+        generator=torch.Generator(device="cuda").manual_seed(3))
+    assert torch.equal(drawn, (probs.double() / noise).argmax(dim=-1))
+    frequencies = torch.bincount(drawn, minlength=3).double() / len(drawn)
+    assert torch.allclose(frequencies.cpu(), torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64), atol=0.03)
