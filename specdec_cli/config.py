@@ -60,14 +60,17 @@ class NgramSettings:
 
 @dataclass
 class DraftSpec(ModelSpec):
-    """A draft model (as a ModelSpec) or an n-gram drafter."""
+    """A draft model (as a ModelSpec) or an n-gram drafter; a draft model with `lookup` drafts by
+    prompt lookup where the context's last n-gram occurred before, and with the model elsewhere."""
 
     ngram: NgramSettings | None = None
+    lookup: NgramSettings | None = None
 
     def describe(self) -> str:
         if self.ngram:
             return f"ngram(n={self.ngram.min_n}..{self.ngram.max_n})"
-        return super().describe()
+        lookup = self.lookup
+        return super().describe() + (f" after lookup(n={lookup.min_n}..{lookup.max_n})" if lookup else "")
 
 
 @dataclass
@@ -230,6 +233,9 @@ def validate(config: Config) -> None:
         allowed = "`checkpoint`, `tiny` or `ngram`" if role == "draft" else "`checkpoint` or `tiny`"
         if len(sources) != 1:
             raise SpecdecError(f"config: `{role}` needs exactly one of {allowed}, got {sources or 'none'}")
-    ngram = config.draft.ngram
-    if ngram and not 1 <= ngram.min_n <= ngram.max_n:
-        raise SpecdecError(f"ngram sizes need 1 <= min_n <= max_n, got {ngram.min_n}..{ngram.max_n}")
+    for name in ("ngram", "lookup"):
+        sizes = getattr(config.draft, name)
+        if sizes and not 1 <= sizes.min_n <= sizes.max_n:
+            raise SpecdecError(f"{name} sizes need 1 <= min_n <= max_n, got {sizes.min_n}..{sizes.max_n}")
+    if config.draft.lookup and config.draft.ngram:
+        raise SpecdecError("config: `draft.lookup` goes with a draft model; an `ngram` drafter looks up already")

@@ -1,6 +1,7 @@
 """The drafter contract: what the decode loop (decoding/engine.py) asks of every kind of drafter.
 
-A drafter sees the same context as the target. Shapes: g <= gamma draft tokens, V the target's
+A drafter sees the same context as the target. Model drafters also `follow(tokens, target_states)`:
+the context grew by tokens that another drafter drafted (drafters/lookup.py). Shapes: g <= gamma draft tokens, V the target's
 vocabulary size, H the target's hidden size; every tensor has a leading batch dimension of 1.
 """
 

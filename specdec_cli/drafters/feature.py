@@ -55,3 +55,10 @@ class FeatureDrafter:
         self.model.rollback(len(draft_ids) - 1)
         self.pending = draft_ids[:num_accepted] + [next_token]
         self.pending_states = target_states
+
+    def follow(self, tokens: list[int], target_states: torch.Tensor) -> None:
+        """The context grew by `tokens` in a block another drafter drafted; `target_states` are the
+        target's at the token before each of them."""
+        self.pending += tokens
+        self.pending_states = (target_states if self.pending_states is None
+                               else torch.cat([self.pending_states, target_states], dim=1))

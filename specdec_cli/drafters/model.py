@@ -62,3 +62,7 @@ class ModelDrafter:
         else:
             self.model.rollback(gamma - 1 - num_accepted)
             self.pending = [next_token]
+
+    def follow(self, tokens: list[int], target_states: torch.Tensor | None) -> None:
+        """The context grew by `tokens` in a block another drafter drafted: read them next time."""
+        self.pending += tokens

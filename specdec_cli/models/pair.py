@@ -16,6 +16,7 @@ from specdec_cli.decoding.engine import SpeculativeDecoder
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.drafters.base import Drafter
 from specdec_cli.drafters.feature import FeatureDrafter
+from specdec_cli.drafters.lookup import LookupFirstDrafter
 from specdec_cli.drafters.model import ModelDrafter
 from specdec_cli.drafters.ngram import NgramDrafter
 from specdec_cli.errors import SpecdecError
@@ -114,4 +115,7 @@ def load_pair(config: Config) -> Pair:
         check_tokenizers(tokenizer, draft_tokenizer)
         kind = FeatureDrafter if is_feature_draft(draft_model) else ModelDrafter
         drafter = kind(CachedModel(draft_model, vocab_size, static))
+        if config.draft.lookup is not None:
+            lookup = NgramDrafter(config.draft.lookup.max_n, config.draft.lookup.min_n, vocab_size, device)
+            drafter = LookupFirstDrafter(lookup, drafter)
     return Pair(config, tokenizer, target, drafter, device, dtype)

@@ -1,0 +1,101 @@
+"""Lookup first, model elsewhere: exact greedy and sampled output, with a plain and a feature draft."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec_cli import verify
+from specdec_cli.config import TinyModel, parse_config
+from specdec_cli.decoding.engine import SpeculativeDecoder
+from specdec_cli.decoding.params import SamplingParams
+from specdec_cli.drafters.feature import FeatureDrafter
+from specdec_cli.drafters.lookup import LookupFirstDrafter
+from specdec_cli.drafters.model import ModelDrafter
+from specdec_cli.drafters.ngram import NgramDrafter
+from specdec_cli.errors import SpecdecError
+from specdec_cli.models.checkpoints import build_tiny
+from specdec_cli.models.feature_draft import init_draft
+from specdec_cli.models.pair import load_pair
+
+from conftest import TINY_PAIR, cached
+
+PROMPT = "Copy this: the cat sat on the mat. Again: the cat sat on the mat. Once more: the cat"
+
+
+def hybrid(target, kind: str, static: bool) -> LookupFirstDrafter:
+    vocab = target.config.vocab_size
+    if kind == "feature":
+        draft = init_draft(target, 1, torch.arange(vocab)).eval()
+        model = FeatureDrafter(cached(draft, static))
+    else:
+        model = ModelDrafter(cached(build_tiny(TinyModel(seed=0, noise=0.005)).eval(), static))
+    return LookupFirstDrafter(NgramDrafter(3, 2, vocab, torch.device("cpu")), model)
+
+
+class Counting:
+    """Wraps the hybrid to count which side drafted each block (the drafter itself is the real one)."""
+
+    def __init__(self, drafter):
+        self.drafter, self.by_model, self.by_lookup = drafter, 0, 0
+        self.reads_target_states = drafter.reads_target_states
+
+    def start(self, *args):
+        self.drafter.start(*args)
+
+    def propose(self, *args):
+        out = self.drafter.propose(*args)
+        if out[0].shape[1]:
+            self.by_model += self.drafter.model_drafted
+            self.by_lookup += not self.drafter.model_drafted
+        return out
+
+    def commit(self, *args):
+        self.drafter.commit(*args)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic-cache", "static-cache"])
+@pytest.mark.parametrize("kind", ["model", "feature"])
+def test_greedy_output_is_the_targets(tiny_target, tokenizer, kind, static):
+    prompt = tokenizer.encode(PROMPT)
+    baseline = SpeculativeDecoder(cached(tiny_target, static), None, SamplingParams(), 1, set()).generate(prompt, 48, 0)
+    drafter = Counting(hybrid(tiny_target, kind, static))
+    result = SpeculativeDecoder(cached(tiny_target, static), drafter, SamplingParams(), 3, set()).generate(
+        prompt, 48, 0)
+    assert result.token_ids == baseline.token_ids
+    assert drafter.by_lookup > 0 and drafter.by_model > 0  # both sides drafted, and followed each other
+
+
+def test_sampled_output_is_the_targets(write_config):
+    config = parse_config({**TINY_PAIR, "draft": {"tiny": {"seed": 0, "noise": 0.005}, "lookup": {"min_n": 2}},
+                           "runtime": {"device": "cpu", "dtype": "float32", "threads": 1}})
+    pair = load_pair(config)
+    assert isinstance(pair.drafter, LookupFirstDrafter)
+    ids = pair.encode(PROMPT)
+    rows = verify.check_model(pair, ids, "p", SamplingParams(temperature=0.8), 300, seed=0, significance=0.01)
+    verify.holm(rows, 0.01)
+    assert [r.what for r in rows if not r.passed] == []
+
+
+def test_lookup_goes_with_a_draft_model_only():
+    with pytest.raises(SpecdecError, match="`draft.lookup` goes with a draft model"):
+        parse_config({**TINY_PAIR, "draft": {"ngram": {}, "lookup": {}}})
+
+
+@pytest.mark.parametrize("kind", ["model", "feature"])
+def test_the_model_follows_blocks_it_did_not_draft(tiny_target, tokenizer, kind):
+    """After lookup and model blocks in turn, the model drafts what it drafts from a fresh start on
+    the whole context: no token it did not draft was lost or read twice."""
+    drafter = hybrid(tiny_target, kind, static=False)
+    counting = Counting(drafter)
+    SpeculativeDecoder(cached(tiny_target), counting, SamplingParams(), 3, set()).generate(
+        tokenizer.encode(PROMPT), 40, 0)
+    assert counting.by_lookup > 0 and counting.by_model > 0
+    context = drafter.lookup.context  # everything verified, the last block's token included
+    target = cached(tiny_target)
+    target.reset(len(context))
+    states = target.forward(torch.tensor([context[:-1]]), hidden=True).hidden
+    fresh = hybrid(tiny_target, kind, static=False).model
+    fresh.start(context, len(context) + 8, states)
+    greedy = SamplingParams()
+    assert drafter.model.propose(3, greedy, None)[0].tolist() == fresh.propose(3, greedy, None)[0].tolist()
