@@ -8,10 +8,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from specdec_cli import display, records
 from specdec_cli.bench.plan import choose_prompts, make_plan, parse_list
+from specdec_cli.bench.prompts import load_prompts
 from specdec_cli.bench.report import compare as compare_records
-from specdec_cli.decoding.params import SamplingParams
+from specdec_cli.errors import SpecdecError
 from specdec_cli.options import (EXIT_INTERRUPTED, ConfigOpt, DeviceOpt, DtypeOpt, GammaOpt, IgnoreEosOpt, JsonOpt, MaxNewOpt,
                                  SeedOpt, TemperatureOpt, ThreadsOpt, TopKOpt, TopPOpt, configure,
                                  read_prompt, reports_errors)
@@ -38,11 +38,16 @@ def root(version: Annotated[bool, typer.Option("--version", callback=show_versio
 @app.command(epilog="""Examples:\n
   specdec generate --prompt "Summarize: ..."\n
   specdec generate -c configs/tiny-random.yaml --prompt "abc" --temperature 0.7 --json\n
-  cat question.txt | specdec generate --prompt - --max-new-tokens 64""")
+  cat question.txt | specdec generate --prompt - --max-new-tokens 64\n
+  specdec generate --prompts prompts.txt --batch-size 4 --json > answers.json""")
 @reports_errors
 def generate(
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text; - reads stdin.")] = None,
     prompt_file: Annotated[Optional[Path], typer.Option(help="Read the prompt from a file.")] = None,
+    prompts: Annotated[Optional[Path], typer.Option(
+        help="Many prompts, as benchmark reads them (a prompt per line, JSONL, Spec-Bench), decoded in "
+             "batches; their answers are printed after each other.")] = None,
+    batch_size: Annotated[int, typer.Option(min=1, help="Prompts decoded together (with --prompts).")] = 1,
     config: ConfigOpt = None,
     raw: Annotated[bool, typer.Option("--raw", help="Do not apply the chat template.")] = False,
     temperature: TemperatureOpt = None, top_k: TopKOpt = None, top_p: TopPOpt = None, seed: SeedOpt = None,
@@ -50,46 +55,24 @@ def generate(
     device: DeviceOpt = None, dtype: DtypeOpt = None, threads: ThreadsOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """Generate text with speculative decoding, streaming it (accepted draft tokens in green), then
-    show the decoding statistics. Flags override the config's YAML values."""
-    from specdec_cli.models.pair import load_pair  # torch/transformers load only once arguments are fine
-
+    show the decoding statistics; with --prompts, decode a prompt file in batches. Flags override the
+    config's YAML values."""
     cfg = configure(config, sampling__temperature=temperature, sampling__top_k=top_k,
                     sampling__top_p=top_p, sampling__seed=seed,
                     speculation__num_draft_tokens=num_draft_tokens,
                     generation__max_new_tokens=max_new_tokens, generation__ignore_eos=ignore_eos,
                     runtime__device=device, runtime__dtype=dtype, runtime__threads=threads)
+    if prompts is not None:
+        if prompt is not None or prompt_file is not None:
+            raise SpecdecError("give one of --prompt, --prompt-file and --prompts")
+        many = load_prompts(prompts)
+        from specdec_cli.generate import generate_many  # torch/transformers load only once arguments are fine
+        return generate_many(cfg, many, raw, batch_size, as_json)
+    if batch_size != 1:
+        raise SpecdecError("--batch-size needs --prompts (a single prompt is one row)")
     text = read_prompt(prompt, prompt_file)
-    with display.stderr.status(f"Loading {cfg.target.describe()} and {cfg.draft.describe()}..."):
-        pair = load_pair(cfg)
-    prompt_ids = pair.encode(text, raw=raw)
-    pair.check_fits(prompt_ids, cfg.generation.max_new_tokens)
-
-    # with --json the stream only collects tokens, so Ctrl-C can still save what was generated
-    stream = display.TokenStream(pair.tokenizer, None if as_json else display.stdout)
-    decoder = pair.decoder(SamplingParams.from_config(cfg.sampling))
-    record = {**records.header("generate", cfg, pair.describe()), "prompt": text, "raw": raw,
-              "prompt_ids": prompt_ids, "seed": cfg.sampling.seed}
-    try:
-        result = decoder.generate(prompt_ids, cfg.generation.max_new_tokens, cfg.sampling.seed,
-                                  ignore_eos=cfg.generation.ignore_eos, on_tokens=stream)
-    except KeyboardInterrupt:
-        record.update(partial=True, token_ids=stream.token_ids, text=stream.text)
-        stream.close()
-        display.stderr.print(f"Partial record: {records.write_record('generate', cfg.name, record)}")
-        raise
-    stream.close()
-
-    stats = result.stats(decoder.gamma)
-    record.update(text=pair.tokenizer.decode(result.token_ids, skip_special_tokens=True),
-                  token_ids=result.token_ids, stats=stats, steps=[vars(s) for s in result.steps])
-    folder = records.write_record("generate", cfg.name, record)
-    if as_json:
-        print(records.dumps(record))
-    else:
-        mode = "greedy" if decoder.params.greedy else "sampled"
-        title = f"{cfg.name}: {decoder.gamma} draft tokens, {mode}"
-        display.stderr.print(display.generation_table(stats, record["environment"], title))
-        display.stderr.print(f"Record: {folder / 'record.json'}")
+    from specdec_cli.generate import generate_one
+    generate_one(cfg, text, raw, as_json)
 
 
 @app.command(epilog="""Examples:\n
@@ -158,7 +141,6 @@ def verify_distribution(
     sampler on synthetic (p, q) pairs, the first and deeper tokens of many seeded runs, and greedy
     identity (over max-new-tokens). Distribution checks use the config's sampling settings, at
     temperature 1 when the config is greedy. Exit code 0: all passed; 3: a check failed; 2: bad input."""
-    from specdec_cli.errors import SpecdecError
     from specdec_cli.verify import verify_distribution as run_verification
 
     if temperature == 0:
@@ -206,7 +188,7 @@ def distill(
     target on text the target writes itself, matching the target's next-token distributions. The
     draft borrows the target's embedding and the head rows of its vocabulary by reference, so the
     saved folder holds only its own layers; name it as `draft: {checkpoint: PATH}`."""
-    from specdec_cli.bench.prompts import load_prompts, training_prompts
+    from specdec_cli.bench.prompts import training_prompts
 
     cfg = configure(config, sampling__seed=seed, runtime__device=device, runtime__dtype=dtype,
                     runtime__threads=threads)

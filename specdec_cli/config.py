@@ -97,7 +97,6 @@ class Runtime:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     threads: int | None = None  # CPU threads for torch; None keeps torch's default
-    cache: str = "auto"  # auto | dynamic | static (auto: static on CUDA, dynamic on CPU)
 
 
 @dataclass
@@ -224,8 +223,6 @@ def validate(config: Config) -> None:
         raise SpecdecError(f"dtype must be auto, float32, bfloat16 or float16, got {r.dtype!r}")
     if not (r.device in ("auto", "cpu", "cuda") or r.device.startswith("cuda:")):
         raise SpecdecError(f"device must be auto, cpu, cuda or cuda:N, got {r.device!r}")
-    if r.cache not in ("auto", "dynamic", "static"):
-        raise SpecdecError(f"cache must be auto, dynamic or static, got {r.cache!r}")
     if r.threads is not None and r.threads < 1:
         raise SpecdecError(f"threads must be >= 1, got {r.threads}")
     for role, spec in (("target", config.target), ("draft", config.draft)):

@@ -62,8 +62,8 @@ class TokenStream:
 
 def environment_caption(env: dict) -> str:
     v = env["versions"]
-    return (f"{env['device']} ({env['device_name']}), {env['dtype']}, {env['threads']} threads, "
-            f"{env['cache']} cache; torch {v['torch']}, transformers {v['transformers']}")
+    return (f"{env['device']} ({env['device_name']}), {env['dtype']}, {env['threads']} threads; "
+            f"torch {v['torch']}, transformers {v['transformers']}")
 
 
 def generation_table(stats: dict, env: dict, title: str) -> Table:
@@ -87,6 +87,19 @@ def generation_table(stats: dict, env: dict, title: str) -> Table:
     ]
     for name, value in rows:
         table.add_row(name, value)
+    return table
+
+
+def batch_table(rows: list[dict], overall: dict, env: dict, title: str) -> Table:
+    """`generate --prompts`: a row per prompt, then the overall figures (tokens/s over wall time)."""
+    table = Table(title=title, caption=environment_caption(env))
+    for name in ("prompt", "new tokens", "stopped by", "tokens/s", "mean accepted length", "acceptance rate"):
+        table.add_column(name, justify="left" if name == "prompt" else "right")
+    for row in rows + [{"prompt_id": "overall", "stats": overall}]:
+        s = row["stats"]
+        table.add_row(row["prompt_id"], str(s["new_tokens"]), s["stop_reason"], fmt(s["tokens_per_second"], ".1f"),
+                      fmt(s["mean_accepted_length"]), fmt(s["acceptance_rate"], ".1%"),
+                      style="bold" if row["prompt_id"] == "overall" else None)
     return table
 
 

@@ -5,9 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
-from transformers.cache_utils import StaticLayer
 
 from specdec_cli.decoding.cache import CachedModel
 from specdec_cli.models.checkpoints import build_tiny, byte_tokenizer
@@ -17,21 +15,6 @@ from specdec_cli.config import TinyModel
 @pytest.fixture(autouse=True)
 def runs_in_tmp(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_RUNS_DIR", str(tmp_path / "runs"))
-
-
-@pytest.fixture(autouse=True)
-def static_cache_as_on_cuda(monkeypatch):
-    """Every static cache in the tests is in the state it is in on CUDA: there its first forward moves
-    the length counter to the device inside inference mode, which makes it an inference tensor (on
-    CPU `.to("cpu")` returns the tensor as it was), and updating it outside that mode raises."""
-    initialise = StaticLayer.lazy_initialization
-
-    def lazy_initialization(self, key_states, value_states):
-        initialise(self, key_states, value_states)
-        if torch.is_inference_mode_enabled():
-            self.cumulative_length = self.cumulative_length.clone()
-
-    monkeypatch.setattr(StaticLayer, "lazy_initialization", lazy_initialization)
 
 
 @pytest.fixture(scope="session")
@@ -44,8 +27,8 @@ def tiny_target():
     return build_tiny(TinyModel(seed=0)).eval()
 
 
-def cached(model, static: bool = False) -> CachedModel:
-    return CachedModel(model, model.config.vocab_size, static)
+def cached(model) -> CachedModel:
+    return CachedModel(model, model.config.vocab_size)
 
 
 TINY_PAIR = {

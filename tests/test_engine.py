@@ -25,96 +25,88 @@ GREEDY = SamplingParams()
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown"
 
 
-@pytest.fixture(params=[False, True], ids=["dynamic-cache", "static-cache"])
-def static(request):
-    """Every engine test runs on both cache kinds (the static one in its CUDA state: see conftest)."""
-    return request.param
-
-
 @pytest.fixture(scope="module")
 def noisy_draft():
     return build_tiny(TinyModel(seed=0, noise=0.005)).eval()
 
 
-def target_only(model, prompt_ids, max_new, params=GREEDY, seed=0, eos=frozenset(), static=False):
-    decoder = SpeculativeDecoder(cached(model, static), None, params, 1, set(eos))
+def target_only(model, prompt_ids, max_new, params=GREEDY, seed=0, eos=frozenset()):
+    decoder = SpeculativeDecoder(cached(model), None, params, 1, set(eos))
     return decoder.generate(prompt_ids, max_new, seed)
 
 
-def speculative(target, draft, prompt_ids, max_new, gamma, params=GREEDY, seed=0, eos=frozenset(),
-                static=False):
-    drafter = ModelDrafter(cached(draft, static)) if draft is not None else NgramDrafter(
+def speculative(target, draft, prompt_ids, max_new, gamma, params=GREEDY, seed=0, eos=frozenset()):
+    drafter = ModelDrafter(cached(draft)) if draft is not None else NgramDrafter(
         3, 1, target.config.vocab_size, torch.device("cpu"))
-    decoder = SpeculativeDecoder(cached(target, static), drafter, params, gamma, set(eos))
+    decoder = SpeculativeDecoder(cached(target), drafter, params, gamma, set(eos))
     return decoder.generate(prompt_ids, max_new, seed)
 
 
 @pytest.mark.parametrize("gamma", [1, 2, 4, 7])
-def test_identical_draft_accepts_everything(tiny_target, tokenizer, gamma, static):
+def test_identical_draft_accepts_everything(tiny_target, tokenizer, gamma):
     prompt = tokenizer.encode(PROMPT)
     max_new = 4 * (gamma + 1)
-    baseline = target_only(tiny_target, prompt, max_new, static=static)
-    result = speculative(tiny_target, tiny_target, prompt, max_new, gamma, static=static)
+    baseline = target_only(tiny_target, prompt, max_new)
+    result = speculative(tiny_target, tiny_target, prompt, max_new, gamma)
     assert result.token_ids == baseline.token_ids
     assert mean_accepted_length(result.steps) == gamma + 1
     assert acceptance_rate(result.steps) == 1.0
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 5])
-def test_greedy_output_is_the_targets_with_a_different_draft(tiny_target, noisy_draft, tokenizer, gamma,
-                                                            static):
+def test_greedy_output_is_the_targets_with_a_different_draft(tiny_target, noisy_draft, tokenizer, gamma):
     prompt = tokenizer.encode(PROMPT)
-    baseline = target_only(tiny_target, prompt, 48, static=static)
-    result = speculative(tiny_target, noisy_draft, prompt, 48, gamma, static=static)
+    baseline = target_only(tiny_target, prompt, 48)
+    result = speculative(tiny_target, noisy_draft, prompt, 48, gamma)
     assert result.token_ids == baseline.token_ids
     rate = acceptance_rate(result.steps)
     assert 0 < rate < 1  # some drafts rejected: rollback and catch-up paths were exercised
 
 
 @pytest.mark.parametrize("gamma", [1, 4])
-def test_greedy_output_is_the_targets_with_the_ngram_drafter(tiny_target, tokenizer, gamma, static):
+def test_greedy_output_is_the_targets_with_the_ngram_drafter(tiny_target, tokenizer, gamma):
     prompt = tokenizer.encode(PROMPT * 2)
-    baseline = target_only(tiny_target, prompt, 40, static=static)
-    result = speculative(tiny_target, None, prompt, 40, gamma, static=static)
+    baseline = target_only(tiny_target, prompt, 40)
+    result = speculative(tiny_target, None, prompt, 40, gamma)
     assert result.token_ids == baseline.token_ids
     assert sum(s.drafted for s in result.steps) > 0
 
 
 def test_ngram_lookup_proposes_what_followed_the_latest_match():
     drafter = NgramDrafter(max_n=2, min_n=1, vocab_size=10, device=torch.device("cpu"))
-    drafter.start([1, 2, 3, 4, 1, 2, 5, 6, 1, 2], max_tokens=20, target_states=None)
+    drafter.start([[1, 2, 3, 4, 1, 2, 5, 6, 1, 2]], max_tokens=20, target_states=None)
     assert drafter.lookup(3) == [5, 6, 1]  # bigram (1, 2) last seen before 5
-    drafter.start([7, 8, 9], max_tokens=20, target_states=None)
+    drafter.start([[7, 8, 9]], max_tokens=20, target_states=None)
     assert drafter.lookup(3) == []
 
 
-def test_sampling_is_reproducible_with_a_seed(tiny_target, noisy_draft, tokenizer, static):
+def test_sampling_is_reproducible_with_a_seed(tiny_target, noisy_draft, tokenizer):
     prompt = tokenizer.encode(PROMPT)
     params = SamplingParams(temperature=1.0, top_k=20, top_p=0.9)
-    first = speculative(tiny_target, noisy_draft, prompt, 30, 3, params, seed=7, static=static)
-    again = speculative(tiny_target, noisy_draft, prompt, 30, 3, params, seed=7, static=static)
-    other = speculative(tiny_target, noisy_draft, prompt, 30, 3, params, seed=8, static=static)
+    first = speculative(tiny_target, noisy_draft, prompt, 30, 3, params, seed=7)
+    again = speculative(tiny_target, noisy_draft, prompt, 30, 3, params, seed=7)
+    other = speculative(tiny_target, noisy_draft, prompt, 30, 3, params, seed=8)
     assert first.token_ids == again.token_ids
     assert first.token_ids != other.token_ids
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 5, 9, 10])
-def test_never_more_than_max_new_tokens(tiny_target, tokenizer, max_new, static):
-    result = speculative(tiny_target, tiny_target, tokenizer.encode(PROMPT), max_new, gamma=4, static=static)
+def test_never_more_than_max_new_tokens(tiny_target, tokenizer, max_new):
+    result = speculative(tiny_target, tiny_target, tokenizer.encode(PROMPT), max_new, gamma=4)
     assert len(result.token_ids) == max_new
     assert result.stop_reason == "length"
 
 
-def test_nothing_after_eos(tiny_target, tokenizer, static):
+def test_nothing_after_eos(tiny_target, tokenizer):
     prompt = tokenizer.encode(PROMPT)
-    free_run = target_only(tiny_target, prompt, 30, static=static).token_ids
+    free_run = target_only(tiny_target, prompt, 30).token_ids
     eos = free_run[5]  # pretend the 6th greedy token is EOS: it lands inside a block
     cut = free_run.index(eos) + 1
     for gamma in (2, 4):
-        result = speculative(tiny_target, tiny_target, prompt, 30, gamma, eos={eos}, static=static)
+        result = speculative(tiny_target, tiny_target, prompt, 30, gamma, eos={eos})
         assert result.token_ids == free_run[:cut]
         assert result.stop_reason == "eos"
-    assert target_only(tiny_target, prompt, 30, eos={eos}, static=static).token_ids == free_run[:cut]
+    assert target_only(tiny_target, prompt, 30, eos={eos}).token_ids == free_run[:cut]
 
 
 def sliding_window_model(noise: float = 0.0):
@@ -141,15 +133,15 @@ def greedy_without_cache(model, prompt_ids, max_new):
     return ids[len(prompt_ids):]
 
 
-def test_sliding_window_layers_roll_back_exactly(tokenizer, static):
+def test_sliding_window_layers_roll_back_exactly(tokenizer):
     target = sliding_window_model()
     assert target.config.layer_types == ["full_attention", "sliding_attention"]
     prompt = tokenizer.encode("The quick brown fox")  # 19 tokens: past the window of 8 from the start
     reference = greedy_without_cache(target, prompt, 40)
-    result = speculative(target, sliding_window_model(noise=0.02), prompt, 40, 3, static=static)
+    result = speculative(target, sliding_window_model(noise=0.02), prompt, 40, 3)
     assert result.token_ids == reference
     assert 0 < acceptance_rate(result.steps) < 1  # rollbacks happened, well past the window
-    assert target_only(target, prompt, 40, static=static).token_ids == reference
+    assert target_only(target, prompt, 40).token_ids == reference
 
 
 def test_models_with_state_that_cannot_be_rolled_back_are_refused(tiny_target):
@@ -168,8 +160,8 @@ def test_a_feature_draft_reads_the_prompt_before_decoding_starts(tiny_target, to
     target.reset(len(prompt))
     states = target.forward(torch.tensor([prompt[:-1]]), hidden=True).hidden
     drafter = FeatureDrafter(cached(draft))
-    drafter.start(prompt, len(prompt) + 8, states)
-    assert drafter.pending == prompt[-1:] and drafter.model.cache.get_seq_length() == len(prompt) - 2
+    drafter.start([prompt], len(prompt) + 8, states)
+    assert drafter.pending == [prompt[-1:]] and drafter.model.lengths == [len(prompt) - 2]
 
 
 def test_showing_tokens_is_not_decoding_time(tiny_target, tokenizer):

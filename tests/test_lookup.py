@@ -23,13 +23,13 @@ from conftest import TINY_PAIR, cached
 PROMPT = "Copy this: the cat sat on the mat. Again: the cat sat on the mat. Once more: the cat"
 
 
-def hybrid(target, kind: str, static: bool) -> LookupFirstDrafter:
+def hybrid(target, kind: str) -> LookupFirstDrafter:
     vocab = target.config.vocab_size
     if kind == "feature":
         draft = init_draft(target, 1, torch.arange(vocab)).eval()
-        model = FeatureDrafter(cached(draft, static))
+        model = FeatureDrafter(cached(draft))
     else:
-        model = ModelDrafter(cached(build_tiny(TinyModel(seed=0, noise=0.005)).eval(), static))
+        model = ModelDrafter(cached(build_tiny(TinyModel(seed=0, noise=0.005)).eval()))
     return LookupFirstDrafter(NgramDrafter(3, 2, vocab, torch.device("cpu")), model)
 
 
@@ -53,14 +53,16 @@ class Counting:
     def commit(self, *args):
         self.drafter.commit(*args)
 
+    def keep(self, rows):
+        self.drafter.keep(rows)
 
-@pytest.mark.parametrize("static", [False, True], ids=["dynamic-cache", "static-cache"])
+
 @pytest.mark.parametrize("kind", ["model", "feature"])
-def test_greedy_output_is_the_targets(tiny_target, tokenizer, kind, static):
+def test_greedy_output_is_the_targets(tiny_target, tokenizer, kind):
     prompt = tokenizer.encode(PROMPT)
-    baseline = SpeculativeDecoder(cached(tiny_target, static), None, SamplingParams(), 1, set()).generate(prompt, 48, 0)
-    drafter = Counting(hybrid(tiny_target, kind, static))
-    result = SpeculativeDecoder(cached(tiny_target, static), drafter, SamplingParams(), 3, set()).generate(
+    baseline = SpeculativeDecoder(cached(tiny_target), None, SamplingParams(), 1, set()).generate(prompt, 48, 0)
+    drafter = Counting(hybrid(tiny_target, kind))
+    result = SpeculativeDecoder(cached(tiny_target), drafter, SamplingParams(), 3, set()).generate(
         prompt, 48, 0)
     assert result.token_ids == baseline.token_ids
     assert drafter.by_lookup > 0 and drafter.by_model > 0  # both sides drafted, and followed each other
@@ -86,16 +88,16 @@ def test_lookup_goes_with_a_draft_model_only():
 def test_the_model_follows_blocks_it_did_not_draft(tiny_target, tokenizer, kind):
     """After lookup and model blocks in turn, the model drafts what it drafts from a fresh start on
     the whole context: no token it did not draft was lost or read twice."""
-    drafter = hybrid(tiny_target, kind, static=False)
+    drafter = hybrid(tiny_target, kind)
     counting = Counting(drafter)
     SpeculativeDecoder(cached(tiny_target), counting, SamplingParams(), 3, set()).generate(
         tokenizer.encode(PROMPT), 40, 0)
     assert counting.by_lookup > 0 and counting.by_model > 0
-    context = drafter.lookup.context  # everything verified, the last block's token included
+    [context] = drafter.lookup.contexts  # everything verified, the last block's token included
     target = cached(tiny_target)
     target.reset(len(context))
     states = target.forward(torch.tensor([context[:-1]]), hidden=True).hidden
-    fresh = hybrid(tiny_target, kind, static=False).model
-    fresh.start(context, len(context) + 8, states)
+    fresh = hybrid(tiny_target, kind).model
+    fresh.start([context], len(context) + 8, states)
     greedy = SamplingParams()
     assert drafter.model.propose(3, greedy, None)[0].tolist() == fresh.propose(3, greedy, None)[0].tolist()

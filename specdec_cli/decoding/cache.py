@@ -1,12 +1,13 @@
-"""A causal LM with its KV cache: feed tokens, get logits, roll back rejected tokens."""
+"""A causal LM with its KV cache for a batch of sequences: feed tokens, get logits, roll back the
+rejected ones, row by row."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import Cache, StaticLayer
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specdec_cli.errors import SpecdecError
 
@@ -15,62 +16,155 @@ ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
 
 
 class Output(NamedTuple):
-    logits: torch.Tensor  # [1, n or 1, vocab_size] float32
-    hidden: torch.Tensor | None  # [1, n, hidden] the last layer's states (what the head reads), if asked
+    logits: torch.Tensor  # [B, n, vocab_size] float32 ([B, 1, V] with last_only: each row's last real input)
+    hidden: torch.Tensor | None  # [B, n, hidden] the last layer's states (what the head reads), if asked
+
+
+def right_padded(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """Token rows of different lengths as one [B, longest] tensor (padded with 0), and the lengths."""
+    width = max(map(len, rows))
+    return torch.tensor([row + [0] * (width - len(row)) for row in rows], device=device), [len(r) for r in rows]
+
+
+class RaggedCache(Cache):
+    """Keys and values of B rows in one preallocated tensor per layer, [B, heads, max_tokens, dim],
+    each row with a length of its own. A forward writes every row's n new entries at that row's
+    length; a rollback only lowers lengths (no copy, no device work): stale entries are never
+    attended to and are overwritten by the next write. The owner sets `write_positions` [B, n]
+    and `visible` (how many slots the attention reads) before each forward."""
+
+    def __init__(self, num_layers: int, max_tokens: int):
+        self.max_tokens = max_tokens
+        self.write_positions: torch.Tensor | None = None
+        self.visible = 0
+        super().__init__(layers=[RaggedLayer(self) for _ in range(num_layers)])
+
+
+class RaggedLayer(CacheLayerMixin):
+    is_compileable = False
+    is_sliding = False  # windows are applied by the mask: every layer keeps every key
+
+    def __init__(self, cache: RaggedCache):
+        super().__init__()
+        self.owner = cache
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, _ = key_states.shape
+        self.keys = key_states.new_zeros(batch, heads, self.owner.max_tokens, key_states.shape[-1])
+        self.values = value_states.new_zeros(batch, heads, self.owner.max_tokens, value_states.shape[-1])
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        at = self.owner.write_positions[:, None, :, None]  # [B, 1, n, 1]
+        self.keys.scatter_(2, at.expand_as(key_states), key_states)
+        self.values.scatter_(2, at.expand_as(value_states), value_states)
+        return self.keys[:, :, :self.owner.visible], self.values[:, :, :self.owner.visible]
+
+    def keep(self, rows: torch.Tensor) -> None:
+        if self.is_initialized:
+            self.keys, self.values = self.keys[rows], self.values[rows]
+
+    def get_seq_length(self) -> int:
+        return self.owner.visible
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.visible, 0
+
+    def get_max_length(self) -> int:
+        return self.owner.max_tokens
 
 
 class CachedModel:
-    """Owns one model's KV cache for one sequence.
+    """Owns one model's KV cache for a batch of sequences (rows), each with its own length.
 
     `vocab_size` is the width of the logits handed out: a draft whose head is narrower than the
     target's is padded with -inf (it can never propose those tokens), a wider one is cut. Either way
     the draft distribution q that is sampled is the same q the acceptance test sees, so exactness
-    holds. With a static cache a rollback only rewinds a counter (no copy, no host sync); stale slots
-    are overwritten by the next write.
+    holds.
 
-    Every layer keeps all its keys, sliding-window layers too: the attention mask still applies the
-    window, but a rollback never needs keys that a windowed cache would already have evicted
-    (transformers' windowed caches cannot be cropped once full, or rewind past evicted keys).
+    Every row sees exactly its own context: positions are its own, and the attention mask shows a
+    query only the keys of its row below its position (and within the window of a sliding-window
+    layer). Keys a window has passed are kept, so a rollback never needs evicted keys.
     """
 
-    def __init__(self, model: PreTrainedModel, vocab_size: int, static_cache: bool):
-        layer_types = set(getattr(model.config, "layer_types", None) or ()) - ATTENTION_LAYERS
-        if layer_types:
-            raise SpecdecError(f"{model.config.model_type} has {', '.join(sorted(layer_types))} layers, whose "
+    def __init__(self, model: PreTrainedModel, vocab_size: int):
+        config = model.config.get_text_config()
+        unsupported = set(getattr(config, "layer_types", None) or ()) - ATTENTION_LAYERS
+        if unsupported:
+            raise SpecdecError(f"{config.model_type} has {', '.join(sorted(unsupported))} layers, whose "
                                f"state cannot be rolled back to an accepted prefix: speculative decoding needs "
                                f"attention layers only")
         self.model = model
         self.vocab_size = vocab_size
-        self.static_cache = static_cache
         self.device = model.device
-        self.cache: Cache | None = None
+        self.num_layers = config.num_hidden_layers
+        self.layer_types = getattr(config, "layer_types", None)
+        self.window = getattr(config, "sliding_window", None)
+        self.cache: RaggedCache | None = None
+        self.lengths: list[int] = []  # tokens held per row
 
     @property
     def context_length(self) -> int:
         return self.model.config.max_position_embeddings
 
-    def reset(self, max_tokens: int) -> None:
-        """Start a new sequence that will hold at most `max_tokens` tokens."""
-        layers = self.model.config.get_text_config().num_hidden_layers
-        self.cache = (Cache(layers=[StaticLayer(max_cache_len=max_tokens) for _ in range(layers)])
-                      if self.static_cache else DynamicCache())
+    def reset(self, max_tokens: int, batch: int = 1) -> None:
+        """Start `batch` new sequences that will hold at most `max_tokens` tokens each."""
+        self.cache = RaggedCache(self.num_layers, max_tokens)
+        self.lengths = [0] * batch
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor | None = None, *, inputs_embeds: torch.Tensor | None = None,
-                last_only: bool = False, hidden: bool = False) -> Output:
-        """Append input_ids [1, n] (or their input vectors [1, n, width]) to the sequence."""
-        out = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, cache=self.cache, use_cache=True, output_hidden_states=hidden,
-                         logits_to_keep=1 if last_only else 0)
-        logits = out.logits.float()
+                counts: list[int] | None = None, last_only: bool = False, hidden: bool = False) -> Output:
+        """Append input_ids [B, n] (or their input vectors [B, n, width]) to the rows. `counts`: how
+        many of a row's n inputs are real (default all); the rest, at the end, are padding, written
+        and then forgotten. With `last_only` the logits are each row's at its last real input."""
+        n = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        counts = counts or [n] * len(self.lengths)
+        starts = torch.tensor(self.lengths, device=self.device)
+        positions = starts[:, None] + torch.arange(n, device=self.device)  # [B, n]
+        self.cache.write_positions = positions
+        self.cache.visible = max(self.lengths) + n
+        ragged = min(counts) < n
+        out = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=positions,
+                         attention_mask=self.mask(positions), cache=self.cache, use_cache=True,
+                         output_hidden_states=hidden, logits_to_keep=1 if last_only and not ragged else 0)
+        self.lengths = [length + count for length, count in zip(self.lengths, counts)]
+        logits = out.logits
+        if last_only and ragged:
+            last = torch.tensor(counts, device=self.device) - 1
+            logits = logits[torch.arange(len(counts), device=self.device), last][:, None]
+        return Output(self.fit_vocabulary(logits.float()), out.hidden_states[-1] if hidden else None)
+
+    def mask(self, positions: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        """[B, 1, n, visible] True where a query may attend to a key: the row's own keys at or below
+        the query's position; in a sliding-window layer, only the last `window` of them."""
+        keys = torch.arange(self.cache.visible, device=self.device)
+        causal = (keys <= positions[..., None])[:, None]
+        if self.window is None:
+            return causal
+        windowed = causal & (keys > positions[..., None] - self.window)[:, None]
+        if self.layer_types is None:  # a window in every layer (Mistral)
+            return windowed
+        return {"full_attention": causal, "sliding_attention": windowed}
+
+    def fit_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
         width = logits.shape[-1]
         if width > self.vocab_size:
-            logits = logits[..., : self.vocab_size]
-        elif width < self.vocab_size:
-            logits = torch.nn.functional.pad(logits, (0, self.vocab_size - width), value=float("-inf"))
-        return Output(logits, out.hidden_states[-1] if hidden else None)
+            return logits[..., : self.vocab_size]
+        if width < self.vocab_size:
+            return torch.nn.functional.pad(logits, (0, self.vocab_size - width), value=float("-inf"))
+        return logits
 
-    @torch.inference_mode()  # a static cache's counter is an inference tensor on CUDA: update it in that mode
-    def rollback(self, num_tokens: int) -> None:
-        """Forget the last num_tokens tokens."""
-        if num_tokens > 0:  # crop(-0) would mean "keep nothing"
-            self.cache.crop(-num_tokens)
+    def rollback(self, num_tokens: int | list[int]) -> None:
+        """Forget each row's last num_tokens tokens (one count for all rows, or one per row)."""
+        counts = num_tokens if isinstance(num_tokens, list) else [num_tokens] * len(self.lengths)
+        self.lengths = [length - count for length, count in zip(self.lengths, counts)]
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only these rows (the others finished), in this order."""
+        index = torch.tensor(rows, device=self.device)
+        for layer in self.cache.layers:
+            layer.keep(index)
+        self.lengths = [self.lengths[r] for r in rows]

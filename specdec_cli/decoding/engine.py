@@ -14,7 +14,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from specdec_cli.decoding.cache import CachedModel
+from specdec_cli.decoding.cache import CachedModel, right_padded
 from specdec_cli.decoding.metrics import (StepRecord, acceptance_by_position, acceptance_rate, draft_time_share,
                                           mean_accepted_length, vllm_mean_acceptance_length)
 from specdec_cli.decoding.params import SamplingParams
@@ -24,6 +24,19 @@ from specdec_cli.drafters.base import Drafter
 
 # called after each block with the tokens it added and how many of them were accepted draft tokens
 OnTokens = Callable[[list[int], int], None]
+
+
+def combined(batches: list[list[GenerationResult]]) -> GenerationResult:
+    """The rows of one or more batches as one result: their tokens and steps, and the batches' wall
+    times (the rows of a batch share its prefill and decode at the same time)."""
+    total = GenerationResult(prompt_ids=[], prefill_seconds=sum(rows[0].prefill_seconds for rows in batches),
+                             decode_seconds=sum(max(r.decode_seconds for r in rows) for rows in batches))
+    results = [r for rows in batches for r in rows]
+    for r in results:
+        total.token_ids += r.token_ids
+        total.steps += r.steps
+    total.stop_reason = "/".join(sorted({r.stop_reason for r in results}))
+    return total
 
 
 @dataclass
@@ -66,9 +79,6 @@ class BlockMarks(NamedTuple):
     start: object
     drafted_at: object
     verified_at: object
-    drafted: int
-    accepted: int
-    emitted: int
 
 
 class Clock:
@@ -106,38 +116,50 @@ class SpeculativeDecoder:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int,
                  ignore_eos: bool = False, on_tokens: OnTokens | None = None) -> GenerationResult:
+        return self.generate_batch([prompt_ids], max_new_tokens, seed, ignore_eos, on_tokens)[0]
+
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int, seed: int, ignore_eos: bool = False,
+                       on_tokens: OnTokens | None = None) -> list[GenerationResult]:
+        """Decode the prompts together, one row each. Every row accepts its own number of drafts per
+        block and sees only its own context; a row that stops (EOS, limit) leaves the batch, so it
+        costs no more target or draft work. `on_tokens` streams a single prompt's tokens."""
         device = self.target.device
         generator = torch.Generator(device=device).manual_seed(seed)
-        result = GenerationResult(prompt_ids=list(prompt_ids))
-        max_tokens = len(prompt_ids) + max_new_tokens + self.gamma + 1
+        results = [GenerationResult(prompt_ids=list(p)) for p in prompts]
+        max_tokens = max(map(len, prompts)) + max_new_tokens + self.gamma + 1
         clock = self.clock
         # only a drafter that reads the target's hidden states makes the target return them
         wants_states = self.drafter is not None and self.drafter.reads_target_states
 
         start = clock.mark()
-        self.target.reset(max_tokens)
+        self.target.reset(max_tokens, len(prompts))
         prompt_states = None
-        if len(prompt_ids) > 1:
-            prompt_states = self.target.forward(torch.tensor([prompt_ids[:-1]], device=device),
-                                                last_only=True, hidden=wants_states).hidden
+        if max(map(len, prompts)) > 1:
+            ids, counts = right_padded([p[:-1] for p in prompts], device)
+            prompt_states = self.target.forward(ids, counts=counts, last_only=True, hidden=wants_states).hidden
         if self.drafter is not None:
-            self.drafter.start(prompt_ids, max_tokens, prompt_states)
+            self.drafter.start(prompts, max_tokens, prompt_states)
         decode_start = clock.mark()
-        result.prefill_seconds = clock.seconds(start, decode_start)
+        prefill_seconds = clock.seconds(start, decode_start)
 
-        last_token = torch.tensor([prompt_ids[-1:]], device=device)  # [1, 1]
-        marks = []
+        active = list(range(len(prompts)))  # rows still decoding, in the caches' order
+        last_token = torch.tensor([p[-1:] for p in prompts], device=device)  # [B, 1]
+        marks: list[BlockMarks] = []
+        block_rows: list[int] = []  # rows decoding in each block, which share its time
+        row_blocks: list[list[tuple[int, int, int, int]]] = [[] for _ in prompts]  # (block, drafted, accepted, emitted)
+        finished_at = [0] * len(prompts)  # the block in which each row stopped
         display_seconds = 0.0
-        while len(result.token_ids) < max_new_tokens:
+        while active:
             # never draft past the limit: the block's own token needs one of the remaining slots
-            gamma = min(self.gamma, max_new_tokens - len(result.token_ids) - 1)
+            remaining = max(max_new_tokens - len(results[row].token_ids) for row in active)
+            gamma = min(self.gamma, remaining - 1)
             block_start = clock.mark()
             drafts, draft_probs = (self.drafter.propose(gamma, self.params, generator) if gamma
                                    else (last_token[:, :0], None))
-            drafted = drafts.shape[1]
+            width = drafts.shape[1]
             draft_end = clock.mark()
-            verified = self.target.forward(torch.cat([last_token, drafts], dim=1), hidden=wants_states)
-            logits = verified.logits  # [1, g + 1, V]
+            verified = self.target.forward(torch.cat([last_token, drafts.clamp_min(0)], dim=1), hidden=wants_states)
+            logits = verified.logits  # [B, g + 1, V]
             if self.params.greedy:
                 num_accepted, next_token = verify_greedy(drafts, logits)
             else:
@@ -145,39 +167,56 @@ class SpeculativeDecoder:
                 if draft_probs is None:  # target-only: nothing to test, sample from p
                     draft_probs = target_probs[:, :0]
                 num_accepted, next_token = verify_sampled(drafts, draft_probs, target_probs, generator)
-            # the one host sync of the block: accepted count, next token and the draft ids together
-            accepted, token, *draft_ids = torch.cat([num_accepted, next_token, drafts[0]]).tolist()
-            verify_end = clock.mark()
+            # the one host sync of the block: accepted counts, next tokens and the draft ids together
+            host = torch.cat([num_accepted, next_token, drafts.flatten()]).tolist()
+            batch = len(active)
+            accepted, tokens = host[:batch], host[batch:2 * batch]
+            draft_ids = [host[2 * batch + i * width:2 * batch + (i + 1) * width] for i in range(batch)]
+            marks.append(BlockMarks(block_start, draft_end, clock.mark()))
+            block_rows.append(batch)
 
-            self.target.rollback(drafted - accepted)
+            self.target.rollback([width - a for a in accepted])
             if self.drafter is not None and gamma:
-                self.drafter.commit(draft_ids, accepted, token,
-                                    verified.hidden[:, :accepted + 1] if wants_states else None)
-            new_tokens = draft_ids[:accepted] + [token]
-            last_token = next_token[:, None]
-            emitted, hit_eos = self._emit(result, new_tokens, ignore_eos)
-            marks.append(BlockMarks(block_start, draft_end, verify_end, drafted, accepted, emitted))
+                self.drafter.commit(draft_ids, accepted, tokens, verified.hidden if wants_states else None)
+            staying = []
+            for i, row in enumerate(active):
+                emitted, stopped = self._emit(results[row], draft_ids[i][:accepted[i]] + [tokens[i]], ignore_eos,
+                                              max_new_tokens)
+                row_blocks[row].append((len(marks) - 1, sum(t >= 0 for t in draft_ids[i]), accepted[i], emitted))
+                if stopped:
+                    finished_at[row] = len(marks) - 1
+                else:
+                    staying.append(i)
             if on_tokens is not None:  # showing tokens is not decoding: keep it off the clock
                 shown = time.perf_counter()
-                on_tokens(result.token_ids[-emitted:], min(accepted, emitted))
+                on_tokens(results[0].token_ids[-emitted:], min(accepted[0], emitted))
                 display_seconds += time.perf_counter() - shown
-            if hit_eos:
-                result.stop_reason = "eos"
-                break
+            if len(staying) < batch and staying:  # rows that stopped leave the caches
+                self.target.keep(staying)
+                if self.drafter is not None:
+                    self.drafter.keep(staying)
+            active = [active[i] for i in staying]
+            last_token = next_token[staying][:, None] if len(staying) < batch else next_token[:, None]
 
-        end = clock.mark()
-        result.decode_seconds = clock.seconds(decode_start, end) - display_seconds
-        result.steps = [StepRecord(drafted=m.drafted, accepted=m.accepted, emitted=m.emitted,
-                                   draft_seconds=clock.seconds(m.start, m.drafted_at),
-                                   verify_seconds=clock.seconds(m.drafted_at, m.verified_at)) for m in marks]
-        return result
+        # each row's step carries its share of the block's time, so sums over rows are wall time
+        times = [(clock.seconds(m.start, m.drafted_at) / rows, clock.seconds(m.drafted_at, m.verified_at) / rows)
+                 for m, rows in zip(marks, block_rows)]
+        for row, result in enumerate(results):
+            result.prefill_seconds = prefill_seconds
+            result.decode_seconds = clock.seconds(decode_start, marks[finished_at[row]].verified_at) - display_seconds
+            result.steps = [StepRecord(drafted=d, accepted=a, emitted=e, draft_seconds=times[b][0],
+                                       verify_seconds=times[b][1]) for b, d, a, e in row_blocks[row]]
+        return results
 
-    def _emit(self, result: GenerationResult, new_tokens: list[int], ignore_eos: bool) -> tuple[int, bool]:
-        """Append the block's tokens up to and including an EOS; returns (count, EOS seen)."""
+    def _emit(self, result: GenerationResult, new_tokens: list[int], ignore_eos: bool, max_new_tokens: int
+              ) -> tuple[int, bool]:
+        """Append the block's tokens up to an EOS (included) or the limit; returns (count, row stopped)."""
+        new_tokens = new_tokens[:max_new_tokens - len(result.token_ids)]
         if not ignore_eos:
             for i, token in enumerate(new_tokens):
                 if token in self.eos_token_ids:
                     result.token_ids += new_tokens[: i + 1]
+                    result.stop_reason = "eos"
                     return i + 1, True
         result.token_ids += new_tokens
-        return len(new_tokens), False
+        return len(new_tokens), len(result.token_ids) >= max_new_tokens

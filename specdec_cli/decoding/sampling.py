@@ -75,8 +75,9 @@ def verify_sampled(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target
     """Accept-or-resample. draft_tokens: [B, g]; draft_probs: [B, g, V]; target_probs: [B, g + 1, V]
     -> (num_accepted [B], next_token [B]): the recovered token, or the bonus token if all passed."""
     batch, gamma = draft_tokens.shape
-    p = target_probs[:, :gamma].gather(-1, draft_tokens[..., None])[..., 0].double()  # [B, g]
-    q = draft_probs.gather(-1, draft_tokens[..., None])[..., 0].double()  # [B, g]
+    drafted = draft_tokens.clamp_min(0)[..., None]  # -1 (not drafted) has q = 0 everywhere: rejected below
+    p = target_probs[:, :gamma].gather(-1, drafted)[..., 0].double()  # [B, g]
+    q = draft_probs.gather(-1, drafted)[..., 0].double()  # [B, g]
     u = torch.rand(batch, gamma, dtype=torch.float64, device=p.device, generator=generator)
     # q == 0 means the draft could not have proposed x: reject (also avoids 0 / 0)
     num_accepted = accepted_prefix_length((u * q < p) & (q > 0))

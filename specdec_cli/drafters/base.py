@@ -1,8 +1,11 @@
 """The drafter contract: what the decode loop (decoding/engine.py) asks of every kind of drafter.
 
-A drafter sees the same context as the target. Model drafters also `follow(tokens, target_states)`:
-the context grew by tokens that another drafter drafted (drafters/lookup.py). Shapes: g <= gamma draft tokens, V the target's
-vocabulary size, H the target's hidden size; every tensor has a leading batch dimension of 1.
+A drafter drafts for B rows (sequences) at once and sees the same context as the target in each.
+Shapes: g <= gamma draft positions, V the target's vocabulary size, H the target's hidden size.
+A draft id of -1 marks a position a row did not draft (prompt lookup found less for it): its q is
+all zeros, so the acceptance test rejects it, and the target's own token takes its place.
+Model drafters also `follow(tokens, target_states)`: the rows' contexts grew by tokens that another
+drafter drafted (drafters/lookup.py). `keep(rows)` drops the rows that finished.
 """
 
 from __future__ import annotations
@@ -13,23 +16,29 @@ import torch
 
 from specdec_cli.decoding.params import SamplingParams
 
+NOT_DRAFTED = -1
+
 
 class Drafter(Protocol):
     # whether `start` and `commit` get the target's last-layer hidden states (None otherwise)
     reads_target_states: bool
 
-    def start(self, prompt_ids: list[int], max_tokens: int, target_states: torch.Tensor | None) -> None:
-        """A new sequence of at most `max_tokens` tokens. `target_states` [1, P - 1, H]: the target's
-        states at every prompt token but the last (None for a one-token prompt). Runs before the
-        decode clock starts, so a drafter's pass over the prompt counts as prefill."""
+    def start(self, prompts: list[list[int]], max_tokens: int, target_states: torch.Tensor | None) -> None:
+        """New sequences of at most `max_tokens` tokens each. `target_states` [B, max(P) - 1, H]: the
+        target's states at every prompt token but the last, right-padded (row b's first P_b - 1 are
+        real). Runs before the decode clock starts, so a drafter's pass over the prompts is prefill."""
 
     def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Up to `gamma` (>= 1) draft tokens [1, g] (g may be 0) and the distributions q [1, g, V]
-        they were drawn from, warped as the target's p is (None when greedy: nothing reads q)."""
+        """Up to `gamma` (>= 1) draft tokens per row [B, g] (g may be 0; -1 where a row drafted
+        less) and the distributions q [B, g, V] they were drawn from, warped as the target's p is
+        (None when greedy: nothing reads q)."""
 
-    def commit(self, draft_ids: list[int], num_accepted: int, next_token: int,
+    def commit(self, draft_ids: list[list[int]], num_accepted: list[int], next_tokens: list[int],
                target_states: torch.Tensor | None) -> None:
-        """The block's outcome: the g ids `propose` returned, how many of them the target accepted,
-        and the token it emitted after them. `target_states` [1, num_accepted + 1, H]: the target's
-        states at [the block's first input, accepted drafts]."""
+        """The block's outcome per row: the g ids `propose` returned, how many the target accepted,
+        and the token it emitted after them. `target_states` [B, g + 1, H]: the target's states at
+        [the block's first input, drafts]; row b's first num_accepted[b] + 1 are verified context."""
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only these rows, in this order (the others finished)."""

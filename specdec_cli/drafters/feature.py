@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from specdec_cli.decoding.cache import CachedModel
+from specdec_cli.decoding.cache import CachedModel, right_padded
 from specdec_cli.decoding.params import SamplingParams
+from specdec_cli.drafters.base import NOT_DRAFTED
 from specdec_cli.drafters.model import draft_token, stack_drafts
 from specdec_cli.models.feature_draft import feature_inputs
 
@@ -17,48 +18,74 @@ class FeatureDrafter:
 
     def __init__(self, model: CachedModel):
         self.model = model
-        self.pending: list[int] = []  # context tokens not yet in the draft's cache ...
-        self.pending_states: torch.Tensor | None = None  # ... and the states beside them [1, n, H]
+        self.pending: list[list[int]] = []  # per row: context tokens not yet in the draft's cache ...
+        self.pending_states: list[torch.Tensor] = []  # ... and the states beside them [n, H]
 
-    def start(self, prompt_ids: list[int], max_tokens: int, target_states: torch.Tensor | None) -> None:
-        self.model.reset(max_tokens)
-        self.pending, self.pending_states = prompt_ids[1:], target_states
-        if len(self.pending) > 1:  # read the prompt now (prefill); its last input drafts token 1
-            self._forward(self.pending[:-1], target_states[:, :-1])
-            self.pending, self.pending_states = self.pending[-1:], target_states[:, -1:]
+    def start(self, prompts: list[list[int]], max_tokens: int, target_states: torch.Tensor | None) -> None:
+        self.model.reset(max_tokens, len(prompts))
+        self.pending = [p[1:] for p in prompts]
+        self.pending_states = [target_states[row, :len(p) - 1] if len(p) > 1 else None
+                               for row, p in enumerate(prompts)]
+        if max(map(len, self.pending)) > 1:  # read the prompts now (prefill); their last inputs draft token 1
+            self._forward([p[:-1] for p in self.pending], [s[:-1] if s is not None else None
+                                                           for s in self.pending_states])
+            self.pending = [p[-1:] for p in self.pending]
+            self.pending_states = [s[-1:] if s is not None else None for s in self.pending_states]
 
-    def _forward(self, ids: list[int] | torch.Tensor, states: torch.Tensor):
-        ids = torch.tensor([ids], device=self.model.device) if isinstance(ids, list) else ids
-        return self.model.forward(inputs_embeds=feature_inputs(self.model.model, ids, states), last_only=True,
-                                  hidden=True)
+    def _forward(self, rows: list[list[int]], states: list[torch.Tensor | None]):
+        """Feed each row its tokens beside their states (rows of different lengths are padded)."""
+        ids, counts = right_padded(rows, self.model.device)
+        width = ids.shape[1]
+        padded = torch.zeros(len(rows), width, self.model.model.config.hidden_size, device=self.model.device,
+                             dtype=next(s for s in states if s is not None).dtype)
+        for row, state in enumerate(states):
+            if state is not None:
+                padded[row, :len(state)] = state
+        out = self.model.forward(inputs_embeds=feature_inputs(self.model.model, ids, padded), counts=counts,
+                                 last_only=True, hidden=True)
+        last = (torch.tensor(counts, device=self.model.device) - 1).clamp_min(0)
+        return out.logits[:, -1], out.hidden[torch.arange(len(rows), device=self.model.device), last][:, None]
 
     def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if not self.pending:  # after a one-token prompt there is no state to read yet
-            vocab = self.model.vocab_size
-            return (torch.zeros(1, 0, dtype=torch.long, device=self.model.device),
-                    None if params.greedy else torch.zeros(1, 0, vocab, device=self.model.device))
+        # a row after a one-token prompt has no state to read yet: it drafts nothing this block
+        stateless = torch.tensor([not p for p in self.pending], device=self.model.device)
+        if bool(stateless.all()):
+            return (torch.zeros(len(self.pending), 0, dtype=torch.long, device=self.model.device),
+                    None if params.greedy else torch.zeros(len(self.pending), 0, self.model.vocab_size,
+                                                           device=self.model.device))
         tokens, probs = [], []
-        next_input, states = self.pending, self.pending_states
-        for _ in range(gamma):
-            out = self._forward(next_input, states)
-            token, q = draft_token(out.logits[:, -1], params, generator)
+        logits, states = self._forward(self.pending, self.pending_states)
+        for step in range(gamma):
+            if step:
+                out = self.model.forward(inputs_embeds=feature_inputs(self.model.model, tokens[-1][:, None], states),
+                                         last_only=True, hidden=True)
+                logits, states = out.logits[:, -1], out.hidden[:, -1:]
+            token, q = draft_token(logits, params, generator)
             tokens.append(token)
             probs.append(q)
-            next_input, states = token[:, None], out.hidden[:, -1:]
-        return stack_drafts(tokens, probs)
+        drafts, q = stack_drafts(tokens, probs)
+        drafts = drafts.masked_fill(stateless[:, None], NOT_DRAFTED)
+        return drafts, None if q is None else q.masked_fill(stateless[:, None, None], 0.0)
 
-    def commit(self, draft_ids: list[int], num_accepted: int, next_token: int,
+    def commit(self, draft_ids: list[list[int]], num_accepted: list[int], next_tokens: list[int],
                target_states: torch.Tensor | None) -> None:
         # the drafted positions were computed from the draft's own states: redo them (and the
         # accepted ones) from the target's
-        self.model.rollback(len(draft_ids) - 1)
-        self.pending = draft_ids[:num_accepted] + [next_token]
-        self.pending_states = target_states
+        self.model.rollback(len(draft_ids[0]) - 1)
+        self.pending = [ids[:accepted] + [token] for ids, accepted, token in zip(draft_ids, num_accepted, next_tokens)]
+        self.pending_states = [target_states[row, :accepted + 1] for row, accepted in enumerate(num_accepted)]
 
-    def follow(self, tokens: list[int], target_states: torch.Tensor) -> None:
-        """The context grew by `tokens` in a block another drafter drafted; `target_states` are the
-        target's at the token before each of them."""
-        self.pending += tokens
-        self.pending_states = (target_states if self.pending_states is None
-                               else torch.cat([self.pending_states, target_states], dim=1))
+    def follow(self, tokens: list[list[int]], target_states: torch.Tensor) -> None:
+        """The rows' contexts grew by `tokens` in a block another drafter drafted; `target_states`
+        [B, >= len, H] are the target's at the token before each of them."""
+        for row, new in enumerate(tokens):
+            self.pending[row] += new
+            state = target_states[row, :len(new)]
+            old = self.pending_states[row]
+            self.pending_states[row] = state if old is None else torch.cat([old, state])
+
+    def keep(self, rows: list[int]) -> None:
+        self.model.keep(rows)
+        self.pending = [self.pending[r] for r in rows]
+        self.pending_states = [self.pending_states[r] for r in rows]

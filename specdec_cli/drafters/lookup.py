@@ -3,6 +3,7 @@
 Where the answer copies its context (extraction, summaries, code edits), lookup drafts long runs for
 free that a small model misses; elsewhere it has nothing to say and the model drafts. The model
 reads every verified token either way: after a block it did not draft it `follow`s the context.
+A block is drafted by lookup when it found a continuation in every row, else by the model.
 """
 
 from __future__ import annotations
@@ -21,20 +22,25 @@ class LookupFirstDrafter:
         self.reads_target_states = model.reads_target_states
         self.model_drafted = False  # who drafted the current block
 
-    def start(self, prompt_ids: list[int], max_tokens: int, target_states: torch.Tensor | None) -> None:
-        self.lookup.start(prompt_ids, max_tokens, target_states)
-        self.model.start(prompt_ids, max_tokens, target_states)
+    def start(self, prompts: list[list[int]], max_tokens: int, target_states: torch.Tensor | None) -> None:
+        self.lookup.start(prompts, max_tokens, target_states)
+        self.model.start(prompts, max_tokens, target_states)
 
     def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        drafts, probs = self.lookup.propose(gamma, params, generator)
-        self.model_drafted = drafts.shape[1] == 0
-        return self.model.propose(gamma, params, generator) if self.model_drafted else (drafts, probs)
+        found = self.lookup.find(gamma)
+        self.model_drafted = not all(found)
+        return self.model.propose(gamma, params, generator) if self.model_drafted else self.lookup.drafts(found, params)
 
-    def commit(self, draft_ids: list[int], num_accepted: int, next_token: int,
+    def commit(self, draft_ids: list[list[int]], num_accepted: list[int], next_tokens: list[int],
                target_states: torch.Tensor | None) -> None:
-        self.lookup.commit(draft_ids, num_accepted, next_token, target_states)
+        self.lookup.commit(draft_ids, num_accepted, next_tokens, target_states)
         if self.model_drafted:
-            self.model.commit(draft_ids, num_accepted, next_token, target_states)
+            self.model.commit(draft_ids, num_accepted, next_tokens, target_states)
         else:
-            self.model.follow(draft_ids[:num_accepted] + [next_token], target_states)
+            self.model.follow([ids[:accepted] + [token] for ids, accepted, token
+                               in zip(draft_ids, num_accepted, next_tokens)], target_states)
+
+    def keep(self, rows: list[int]) -> None:
+        self.lookup.keep(rows)
+        self.model.keep(rows)

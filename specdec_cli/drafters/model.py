@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from specdec_cli.decoding.cache import CachedModel
+from specdec_cli.decoding.cache import CachedModel, right_padded
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.decoding.sampling import sample, warp
 
 
 def draft_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The next draft token [1] from the draft's last logits [1, V], and its q [1, V] (None when greedy)."""
+    """The next draft token per row [B] from the draft's last logits [B, V], and q [B, V] (None when greedy)."""
     if params.greedy:
         return logits.argmax(dim=-1), None
     q = warp(logits, params)
@@ -24,45 +24,47 @@ def stack_drafts(tokens: list[torch.Tensor], probs: list[torch.Tensor | None]
 
 
 class ModelDrafter:
-    """Feeds each context token once: `pending` holds the tokens the draft has not read yet."""
+    """Feeds each context token once: `pending` holds, per row, the tokens the draft has not read yet."""
 
     reads_target_states = False
 
     def __init__(self, model: CachedModel):
         self.model = model
-        self.pending: list[int] = []
+        self.pending: list[list[int]] = []
 
-    def start(self, prompt_ids: list[int], max_tokens: int, target_states: torch.Tensor | None) -> None:
-        self.model.reset(max_tokens)
-        if len(prompt_ids) > 1:
-            self.model.forward(self._tensor(prompt_ids[:-1]), last_only=True)
-        self.pending = prompt_ids[-1:]
-
-    def _tensor(self, ids: list[int]) -> torch.Tensor:
-        return torch.tensor([ids], device=self.model.device)
+    def start(self, prompts: list[list[int]], max_tokens: int, target_states: torch.Tensor | None) -> None:
+        self.model.reset(max_tokens, len(prompts))
+        if max(map(len, prompts)) > 1:
+            ids, counts = right_padded([p[:-1] for p in prompts], self.model.device)
+            self.model.forward(ids, counts=counts, last_only=True)
+        self.pending = [p[-1:] for p in prompts]
 
     def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         tokens, probs = [], []
-        next_input = self._tensor(self.pending)
+        next_input, counts = right_padded(self.pending, self.model.device)
         for _ in range(gamma):
-            token, q = draft_token(self.model.forward(next_input, last_only=True).logits[:, -1], params, generator)
+            logits = self.model.forward(next_input, counts=counts, last_only=True).logits[:, -1]
+            token, q = draft_token(logits, params, generator)
             tokens.append(token)
             probs.append(q)
-            next_input = token[:, None]
-        self.pending = []  # all fed except the last draft token, which commit() settles
+            next_input, counts = token[:, None], None
+        self.pending = [[] for _ in self.pending]  # all fed except the last draft token, which commit() settles
         return stack_drafts(tokens, probs)
 
-    def commit(self, draft_ids: list[int], num_accepted: int, next_token: int,
+    def commit(self, draft_ids: list[list[int]], num_accepted: list[int], next_tokens: list[int],
                target_states: torch.Tensor | None) -> None:
-        gamma = len(draft_ids)
-        if num_accepted == gamma:
-            # the last draft token was never fed to the draft model: catch up on it now
-            self.pending = [draft_ids[-1], next_token]
-        else:
-            self.model.rollback(gamma - 1 - num_accepted)
-            self.pending = [next_token]
+        gamma = len(draft_ids[0])
+        # the last draft token was never fed to the draft model: a row that accepted all catches up on it
+        self.model.rollback([gamma - 1 - min(accepted, gamma - 1) for accepted in num_accepted])
+        self.pending = [ids[-1:] + [token] if accepted == gamma else [token]
+                        for ids, accepted, token in zip(draft_ids, num_accepted, next_tokens)]
 
-    def follow(self, tokens: list[int], target_states: torch.Tensor | None) -> None:
-        """The context grew by `tokens` in a block another drafter drafted: read them next time."""
-        self.pending += tokens
+    def follow(self, tokens: list[list[int]], target_states: torch.Tensor | None) -> None:
+        """The rows' contexts grew by `tokens` in a block another drafter drafted: read them next time."""
+        for pending, new in zip(self.pending, tokens):
+            pending += new
+
+    def keep(self, rows: list[int]) -> None:
+        self.model.keep(rows)
+        self.pending = [self.pending[r] for r in rows]

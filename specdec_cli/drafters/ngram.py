@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from specdec_cli.decoding.params import SamplingParams
+from specdec_cli.drafters.base import NOT_DRAFTED
 
 
 class NgramDrafter:
@@ -18,13 +18,13 @@ class NgramDrafter:
         self.max_n, self.min_n = max_n, min_n
         self.vocab_size = vocab_size
         self.device = device
-        self.context: list[int] = []
+        self.contexts: list[list[int]] = []  # one per row
 
-    def start(self, prompt_ids: list[int], max_tokens: int, target_states: torch.Tensor | None) -> None:
-        self.context = list(prompt_ids)
+    def start(self, prompts: list[list[int]], max_tokens: int, target_states: torch.Tensor | None) -> None:
+        self.contexts = [list(prompt) for prompt in prompts]
 
-    def lookup(self, gamma: int) -> list[int]:
-        ctx = self.context
+    def lookup(self, gamma: int, row: int = 0) -> list[int]:
+        ctx = self.contexts[row]
         for n in range(min(self.max_n, len(ctx) - 1), self.min_n - 1, -1):
             suffix = ctx[-n:]
             # scan right to left: the most recent match best predicts what comes next
@@ -35,10 +35,28 @@ class NgramDrafter:
 
     def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        tokens = torch.tensor([self.lookup(gamma)], dtype=torch.long, device=self.device).view(1, -1)
-        probs = None if params.greedy else F.one_hot(tokens, self.vocab_size).float()
+        return self.drafts(self.find(gamma), params)
+
+    def find(self, gamma: int) -> list[list[int]]:
+        """Each row's lookup (host lists: deciding on them costs no device sync)."""
+        return [self.lookup(gamma, row) for row in range(len(self.contexts))]
+
+    def drafts(self, found: list[list[int]], params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft tokens [B, g], -1 where a row found less, and their one-hot q (None when greedy)."""
+        width = max(map(len, found), default=0)
+        tokens = torch.tensor([ids + [NOT_DRAFTED] * (width - len(ids)) for ids in found],
+                              dtype=torch.long, device=self.device).view(len(found), width)
+        if params.greedy:
+            return tokens, None
+        drafted = tokens >= 0
+        probs = torch.zeros(*tokens.shape, self.vocab_size, device=self.device)
+        probs.scatter_(-1, tokens.clamp_min(0)[..., None], drafted[..., None].float())
         return tokens, probs
 
-    def commit(self, draft_ids: list[int], num_accepted: int, next_token: int,
+    def commit(self, draft_ids: list[list[int]], num_accepted: list[int], next_tokens: list[int],
                target_states: torch.Tensor | None) -> None:
-        self.context += draft_ids[:num_accepted] + [next_token]
+        for context, ids, accepted, token in zip(self.contexts, draft_ids, num_accepted, next_tokens):
+            context += ids[:accepted] + [token]
+
+    def keep(self, rows: list[int]) -> None:
+        self.contexts = [self.contexts[r] for r in rows]

@@ -82,7 +82,6 @@ class Pair:
             or platform.machine(),
             "dtype": str(self.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(),
-            "cache": "static" if self.target.static_cache else "dynamic",
             "versions": {"specdec": specdec_cli.__version__, "torch": torch.__version__,
                          "transformers": transformers.__version__, "python": platform.python_version()},
         }
@@ -104,17 +103,16 @@ def load_pair(config: Config) -> Pair:
         torch.set_num_threads(runtime.threads)
     device = resolve_device(runtime.device)
     dtype = resolve_dtype(runtime.dtype, device)
-    static = runtime.cache == "static" or (runtime.cache == "auto" and device.type == "cuda")
     model, tokenizer = load_model(config.target, device, dtype)
     vocab_size = model.get_output_embeddings().out_features
-    target = CachedModel(model, vocab_size, static)
+    target = CachedModel(model, vocab_size)
     if config.draft.ngram is not None:
         drafter = NgramDrafter(config.draft.ngram.max_n, config.draft.ngram.min_n, vocab_size, device)
     else:
         draft_model, draft_tokenizer = load_model(config.draft, device, dtype, target=model)
         check_tokenizers(tokenizer, draft_tokenizer)
         kind = FeatureDrafter if is_feature_draft(draft_model) else ModelDrafter
-        drafter = kind(CachedModel(draft_model, vocab_size, static))
+        drafter = kind(CachedModel(draft_model, vocab_size))
         if config.draft.lookup is not None:
             lookup = NgramDrafter(config.draft.lookup.max_n, config.draft.lookup.min_n, vocab_size, device)
             drafter = LookupFirstDrafter(lookup, drafter)

@@ -1,0 +1,95 @@
+"""`specdec generate`: one prompt streamed, or a prompt file decoded in batches."""
+
+from __future__ import annotations
+
+from specdec_cli import display, records
+from specdec_cli.bench.prompts import Prompt
+from specdec_cli.config import Config
+from specdec_cli.decoding.engine import GenerationResult, combined
+from specdec_cli.decoding.params import SamplingParams
+from specdec_cli.models.pair import Pair, load_pair
+
+
+def load(cfg: Config) -> Pair:
+    with display.stderr.status(f"Loading {cfg.target.describe()} and {cfg.draft.describe()}..."):
+        return load_pair(cfg)
+
+
+def title(cfg: Config, gamma: int, extra: str = "") -> str:
+    mode = "greedy" if cfg.sampling.temperature == 0 else "sampled"
+    return f"{cfg.name}: {gamma} draft tokens, {mode}{extra}"
+
+
+def generate_one(cfg: Config, text: str, raw: bool, as_json: bool) -> None:
+    """Stream the answer (accepted draft tokens in green), then the statistics."""
+    pair = load(cfg)
+    prompt_ids = pair.encode(text, raw=raw)
+    pair.check_fits(prompt_ids, cfg.generation.max_new_tokens)
+    # with --json the stream only collects tokens, so Ctrl-C can still save what was generated
+    stream = display.TokenStream(pair.tokenizer, None if as_json else display.stdout)
+    decoder = pair.decoder(SamplingParams.from_config(cfg.sampling))
+    record = {**records.header("generate", cfg, pair.describe()), "prompt": text, "raw": raw,
+              "prompt_ids": prompt_ids, "seed": cfg.sampling.seed}
+    try:
+        result = decoder.generate(prompt_ids, cfg.generation.max_new_tokens, cfg.sampling.seed,
+                                  ignore_eos=cfg.generation.ignore_eos, on_tokens=stream)
+    except KeyboardInterrupt:
+        record.update(partial=True, token_ids=stream.token_ids, text=stream.text)
+        stream.close()
+        display.stderr.print(f"Partial record: {records.write_record('generate', cfg.name, record)}")
+        raise
+    stream.close()
+    stats = result.stats(decoder.gamma)
+    record.update(text=stream.text, token_ids=result.token_ids, stats=stats, steps=[vars(s) for s in result.steps])
+    folder = records.write_record("generate", cfg.name, record)
+    if as_json:
+        print(records.dumps(record))
+    else:
+        display.stderr.print(display.generation_table(stats, record["environment"], title(cfg, decoder.gamma)))
+        display.stderr.print(f"Record: {folder / 'record.json'}")
+
+
+def generate_many(cfg: Config, prompts: list[Prompt], raw: bool, batch_size: int, as_json: bool) -> None:
+    """Decode the prompts' first turns `batch_size` at a time; print each answer, then a table with
+    a row per prompt and one overall. Ctrl-C keeps the finished batches in a partial record."""
+    pair = load(cfg)
+    encoded = [pair.encode(p.turns[0], raw=raw) for p in prompts]
+    for ids in encoded:
+        pair.check_fits(ids, cfg.generation.max_new_tokens)
+    if any(len(p.turns) > 1 for p in prompts):
+        display.stderr.print("Multi-turn prompts: only their first turn is generated (benchmark runs all turns).")
+    decoder = pair.decoder(SamplingParams.from_config(cfg.sampling))
+    record = {**records.header("generate", cfg, pair.describe()), "raw": raw, "seed": cfg.sampling.seed,
+              "batch_size": batch_size}
+    batches: list[list[GenerationResult]] = []
+    partial = False
+    with display.progress() as bar:
+        task = bar.add_task(f"generating in batches of {batch_size}", total=len(prompts))
+        try:
+            for start in range(0, len(prompts), batch_size):
+                # a seed per batch (seed + its first row): the same command draws the same tokens again
+                batches.append(decoder.generate_batch(encoded[start:start + batch_size], cfg.generation.max_new_tokens,
+                                                      cfg.sampling.seed + start, ignore_eos=cfg.generation.ignore_eos))
+                bar.update(task, advance=len(batches[-1]))
+        except KeyboardInterrupt:
+            partial = True
+    results = [r for rows in batches for r in rows]
+    rows = [{"prompt_id": p.id, "category": p.category, "prompt": p.turns[0], "prompt_ids": ids,
+             "text": pair.tokenizer.decode(r.token_ids, skip_special_tokens=True), "token_ids": r.token_ids,
+             "stats": r.stats(decoder.gamma)} for p, ids, r in zip(prompts, encoded, results)]
+    overall = combined(batches).stats(decoder.gamma) if batches else None
+    record.update(partial=partial, rows=rows, stats=overall)
+    folder = records.write_record("generate", cfg.name, record)
+    if as_json:
+        print(records.dumps(record))
+    else:
+        for row in rows:
+            display.stdout.print(f"[bold]── {row['prompt_id']} ({row['category']})[/]")
+            display.stdout.print(row["text"], markup=False)
+        if overall:
+            display.stderr.print(display.batch_table(rows, overall, record["environment"],
+                                                     title(cfg, decoder.gamma, f", batches of {batch_size}")))
+    display.stderr.print(f"Record: {folder / 'record.json'}")
+    if partial:
+        display.stderr.print("Interrupted: the record holds the finished batches (partial: true).")
+        raise KeyboardInterrupt

@@ -1,0 +1,114 @@
+"""Batches: every row of a batch decodes exactly as its prompt alone, whatever the other rows do."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from specdec_cli import verify
+from specdec_cli.cli import app
+from specdec_cli.config import TinyModel, parse_config
+from specdec_cli.decoding.engine import SpeculativeDecoder
+from specdec_cli.decoding.params import SamplingParams
+from specdec_cli.drafters.feature import FeatureDrafter
+from specdec_cli.drafters.model import ModelDrafter
+from specdec_cli.drafters.ngram import NgramDrafter
+from specdec_cli.errors import EXIT_BAD_INPUT
+from specdec_cli.models.checkpoints import build_tiny
+from specdec_cli.models.feature_draft import init_draft
+from specdec_cli.models.pair import load_pair
+
+from conftest import TINY_PAIR, cached
+
+PROMPTS = ["Hi", "The quick brown fox jumps over the lazy dog. The quick brown",
+           "abc abc abc abc", "Once upon a time, in a land far away, there lived"]
+GREEDY = SamplingParams()
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def noisy_draft():
+    return build_tiny(TinyModel(seed=0, noise=0.005)).eval()
+
+
+def drafter_of(kind: str, target, noisy_draft):
+    if kind == "same":
+        return ModelDrafter(cached(target))
+    if kind == "noisy":
+        return ModelDrafter(cached(noisy_draft))
+    if kind == "feature":
+        return FeatureDrafter(cached(init_draft(target, 1, torch.arange(target.config.vocab_size)).eval()))
+    return NgramDrafter(3, 1, target.config.vocab_size, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("kind", ["same", "noisy", "feature", "ngram"])
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_each_row_is_its_prompt_alone(tiny_target, noisy_draft, tokenizer, kind, gamma):
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    alone = SpeculativeDecoder(cached(tiny_target), None, GREEDY, 1, set())
+    expected = [alone.generate(p, 24, 0).token_ids for p in prompts]
+    eos = expected[2][3]  # the third row's 4th token ends it early; the other rows go on past it
+    expected = [e[:e.index(eos) + 1] if eos in e else e for e in expected]
+    decoder = SpeculativeDecoder(cached(tiny_target), drafter_of(kind, tiny_target, noisy_draft), GREEDY, gamma,
+                                 {eos})
+    rows = decoder.generate_batch(prompts, 24, 0)
+    assert [r.token_ids for r in rows] == expected
+    assert rows[2].stop_reason == "eos" and len(rows[2].token_ids) <= 4
+    accepted = [sum(s.accepted for s in r.steps) for r in rows]
+    if kind == "same":  # every row accepts every draft of its own
+        assert all(sum(s.accepted for s in r.steps) == sum(s.drafted for s in r.steps) for r in rows)
+    elif kind == "noisy":  # rows accept different numbers in the same blocks
+        assert len({tuple(s.accepted for s in r.steps[:3]) for r in rows}) > 1, accepted
+
+
+def test_preallocation_is_bounded_by_the_batch(tiny_target, tokenizer):
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    target = cached(tiny_target)
+    SpeculativeDecoder(target, ModelDrafter(cached(tiny_target)), GREEDY, 4, set()).generate_batch(prompts, 16, 0)
+    keys = target.cache.layers[0].keys
+    assert keys.shape[2] == max(map(len, prompts)) + 16 + 4 + 1  # prompt + max_new_tokens + gamma + 1
+    assert keys.shape[0] <= len(prompts)  # rows that stopped have left
+
+
+@pytest.fixture(scope="module")
+def batch_pair():
+    return load_pair(parse_config({**TINY_PAIR, "speculation": {"num_draft_tokens": 2},
+                                   "runtime": {"device": "cpu", "dtype": "float32", "threads": 1}}))
+
+
+def row_runs(pair, prompt_ids, params, runs, seed):
+    """`runs` sampled generations of one prompt as rows of batches of 4 beside other prompts."""
+    others = [pair.encode(p) for p in PROMPTS[1:]]
+    decoder = pair.decoder(params)
+    tokens = []
+    for i in range(runs):
+        rows = decoder.generate_batch([prompt_ids] + others, 2 * (decoder.gamma + 1), seed + i, ignore_eos=True)
+        tokens.append(rows[0].token_ids)
+    return tokens
+
+
+def test_sampled_rows_are_distributed_as_the_target(batch_pair):
+    params = SamplingParams(temperature=0.8)
+    ids = batch_pair.encode(PROMPTS[0])
+    rows = verify.check_token_runs(batch_pair, ids, "batch row", params, row_runs(batch_pair, ids, params, 300, 0),
+                                   0.01)
+    verify.holm(rows, 0.01)
+    assert [r.what for r in rows if not r.passed] == []
+
+
+def test_generate_decodes_a_prompt_file_in_batches(write_config, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS))
+    config = str(write_config({"generation": {"max_new_tokens": 12}}))
+    run = runner.invoke(app, ["generate", "-c", config, "--prompts", str(prompts), "--batch-size", "3", "--json"])
+    assert run.exit_code == 0, run.output
+    record = json.loads(run.stdout)
+    assert record["batch_size"] == 3 and [r["prompt"] for r in record["rows"]] == PROMPTS
+    alone = runner.invoke(app, ["generate", "-c", config, "--prompt", PROMPTS[1], "--json"])
+    assert record["rows"][1]["token_ids"] == json.loads(alone.stdout)["token_ids"]  # greedy: as if alone
+    assert record["stats"]["new_tokens"] == sum(r["stats"]["new_tokens"] for r in record["rows"])
+    refused = runner.invoke(app, ["generate", "-c", config, "--prompt", "x", "--batch-size", "2"])
+    assert refused.exit_code == EXIT_BAD_INPUT and "--batch-size needs --prompts" in refused.output
