@@ -4,8 +4,8 @@
     python scripts/check_cuda.py            # with specdec installed (pip install -e '.[test]')
 
 It runs the CUDA-marked tests, then generate, verify-distribution and benchmark on the tiny random
-pair and on the default SmolLM2 pair (static KV cache, bfloat16, CUDA-event timing: the defaults on
-CUDA), and prints a table of what passed with tokens/s, speedup and acceptance. Exit 0 when all passed.
+pair and on the default SmolLM2 pair (bfloat16 and CUDA-event timing, the defaults on CUDA; batches
+of 1 and 4), and prints a table of what passed with tokens/s, speedup and acceptance. Exit 0 when all passed.
 """
 
 from __future__ import annotations

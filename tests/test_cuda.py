@@ -1,5 +1,6 @@
-"""The CUDA path: static cache, device-side sampling, CUDA-event timing. Skipped without a GPU;
-`scripts/check_cuda.py` runs these and a short generate/verify/benchmark on a GPU machine."""
+"""The CUDA path: the preallocated ragged cache on the device, device-side sampling, CUDA-event
+timing, batches. Skipped without a GPU; `scripts/check_cuda.py` runs these and a short
+generate/verify/benchmark on a GPU machine."""
 
 from __future__ import annotations
 
@@ -20,18 +21,13 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown"
 
 
-@pytest.fixture(autouse=True)
-def static_cache_as_on_cuda():
-    """On a GPU the static cache is in its CUDA state already: nothing to emulate (see conftest)."""
-
-
 def on_cuda(noise: float = 0.0, dtype: torch.dtype = torch.float32):
     return build_tiny(TinyModel(seed=0, noise=noise)).to("cuda", dtype).eval()
 
 
 def decode(target, draft, prompt_ids, params, gamma=3, seed=0, max_new=48):
-    drafter = ModelDrafter(cached(draft, static=True)) if draft is not None else None
-    decoder = SpeculativeDecoder(cached(target, static=True), drafter, params, gamma, set())
+    drafter = ModelDrafter(cached(draft)) if draft is not None else None
+    decoder = SpeculativeDecoder(cached(target), drafter, params, gamma, set())
     return decoder.generate(prompt_ids, max_new, seed)
 
 
@@ -68,3 +64,11 @@ def test_cuda_sampling_is_the_float64_exponential_race():
     assert torch.equal(drawn, (probs.double() / noise).argmax(dim=-1))
     frequencies = torch.bincount(drawn, minlength=3).double() / len(drawn)
     assert torch.allclose(frequencies.cpu(), torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64), atol=0.03)
+
+
+def test_batch_rows_are_their_prompts_alone_on_cuda(tokenizer):
+    target, draft = on_cuda(), on_cuda(noise=0.005)
+    prompts = [tokenizer.encode(p) for p in ("Hi", PROMPT, "abc abc abc abc")]
+    alone = [decode(target, None, p, SamplingParams(), max_new=24).token_ids for p in prompts]
+    decoder = SpeculativeDecoder(cached(target), ModelDrafter(cached(draft)), SamplingParams(), 3, set())
+    assert [r.token_ids for r in decoder.generate_batch(prompts, 24, 0)] == alone
