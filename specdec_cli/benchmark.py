@@ -8,8 +8,8 @@ from dataclasses import asdict
 from specdec_cli import display, records
 from specdec_cli.bench.plan import Mode, Plan
 from specdec_cli.bench.prompts import Prompt
-from specdec_cli.bench.report import (PEER_FAIRNESS, category_report, detail_report, environment_caption,
-                                      markdown_document, peer_report, rich_table)
+from specdec_cli.bench.report import (category_report, detail_report, environment_caption, markdown_document,
+                                      peer_report, rich_table)
 from specdec_cli.bench.run import run_benchmark
 from specdec_cli.bench.summary import gate_failures, summarize, summarize_peers
 from specdec_cli.config import Config
@@ -21,6 +21,13 @@ def execute(cfg: Config, prompts: list[Prompt], plan: Plan, as_json: bool, min_s
             min_accept_length: float | None) -> None:
     with display.stderr.status(f"Loading {cfg.target.describe()} and {cfg.draft.describe()}..."):
         pair = load_pair(cfg)
+    caption = None
+    if plan.peer:
+        from specdec_cli.bench.peers import hf_drafting, peer_caption
+        plan.peer_drafting, note = hf_drafting(pair)
+        caption = peer_caption(plan.peer_drafting, note)
+        if note:
+            display.stderr.print(f"Note: {note}")
     modes = plan.modes()
     with display.progress() as progress:
         task = progress.add_task(f"warm-up ({plan.warmup} per mode)", total=len(prompts) * len(modes))
@@ -37,10 +44,10 @@ def execute(cfg: Config, prompts: list[Prompt], plan: Plan, as_json: bool, min_s
         **records.header("benchmark", cfg, pair.describe()), "partial": partial,
         "settings": {**asdict(plan), "multi_turn": "every turn counts; each mode feeds back its own answers",
                      "prompts": len(prompts)},
-        "summary": summary, "peers": peers, "peer_fairness": PEER_FAIRNESS if plan.peer else None,
+        "summary": summary, "peers": peers, "peer_fairness": caption,
         "prompt_set": [asdict(p) for p in prompts], "runs": runs,
     }
-    tables = [category_report(summary), detail_report(summary)] + ([peer_report(peers)] if peers else [])
+    tables = [category_report(summary), detail_report(summary)] + ([peer_report(peers, caption)] if peers else [])
     folder = records.write_record("benchmark", cfg.name, record)
     (folder / "report.md").write_text(markdown_document(record, tables))
     if as_json:

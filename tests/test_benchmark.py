@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from typer.testing import CliRunner
 
@@ -13,9 +14,10 @@ from specdec_cli.bench.plan import Plan
 from specdec_cli.bench.run import run_benchmark
 from specdec_cli.bench.summary import gate_failures, summarize, summarize_mode
 from specdec_cli.cli import app
-from specdec_cli.config import parse_config
+from specdec_cli.config import TinyModel, parse_config
 from specdec_cli.errors import EXIT_BAD_INPUT, EXIT_GATE_FAILED
 from specdec_cli.decoding.metrics import StepRecord, per_token_acceptance
+from specdec_cli.models.checkpoints import build_tiny, byte_tokenizer
 from specdec_cli.models.pair import load_pair
 from specdec_cli.bench.prompts import Prompt
 
@@ -38,11 +40,33 @@ def run_cli(*args: str) -> tuple[int, str, str]:
     return result.exit_code, result.stdout, result.stderr
 
 
+def write_pair(folder: Path, **changes) -> Path:
+    """SAME_PAIR with `changes` (whole sections), as a config file."""
+    path = folder / f"{changes.get('name', SAME_PAIR['name'])}.yaml"
+    path.write_text(yaml.safe_dump({**SAME_PAIR, **changes}))
+    return path
+
+
 @pytest.fixture
 def same_config(tmp_path) -> Path:
-    path = tmp_path / "same.yaml"
-    path.write_text(yaml.safe_dump(SAME_PAIR))
-    return path
+    return write_pair(tmp_path)
+
+
+def written_record(tmp_path: Path, name: str) -> Path:
+    """The one benchmark run folder of config `name` in this test's $SPECDEC_RUNS_DIR (see conftest)."""
+    [folder] = (tmp_path / "runs").glob(f"*-benchmark-{name}")
+    return folder
+
+
+def save_checkpoint(model, folder: Path) -> Path:
+    """A model as a checkpoint folder with the byte tokenizer, so a config can load it by path."""
+    model.save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def tokens_by_mode(record: dict) -> dict[tuple[str, int], list[int]]:
+    return {(r["engine"], r["gamma"]): r["repeats"][0]["token_ids"] for r in record["runs"]}
 
 
 @pytest.fixture
@@ -82,6 +106,15 @@ def test_summarize_mode_on_hand_made_records():
     assert row["predicted_speedup"] == pytest.approx((1 - alpha**5) / ((1 - alpha) * (4 * c + 1)))
 
 
+def test_cost_ratio_counts_only_blocks_that_drafted():
+    # a block where the n-gram drafter found no match: lookup time, no draft token
+    no_match = [0, 0, 1, 0.3, 0.5]
+    baseline = [make_run("a", 0, [10.0], BASE_STEPS)]
+    row = summarize_mode(baseline, [make_run("a", 4, [20.0], SPEC_STEPS + [no_match])], gamma=4)
+    assert row["cost_ratio"] == pytest.approx((1.4 / 14) / 0.5)  # as without the empty block
+    assert row["draft_time_share"] == pytest.approx(1.7 / (1.7 + 3.6 + 0.5))  # its time still counts here
+
+
 def test_greedy_identical_counts_prompts_with_the_same_tokens():
     runs = [make_run(p, g, [10.0], BASE_STEPS) for p in "ab" for g in (0, 4)]
     for run, tokens in zip(runs, ([1, 2], [1, 2], [1, 2], [1, 3])):  # prompt b's speculative output differs
@@ -113,7 +146,7 @@ def test_gate_failures_name_the_mode():
                                              "mean accepted length 3.00 < 3.5 (greedy, γ=4)"]
 
 
-def test_identical_draft_accepts_everything_end_to_end(same_config):
+def test_identical_draft_accepts_everything_end_to_end(same_config, tmp_path):
     code, out, err = run_cli("-c", str(same_config), "--gamma", "1,3", "--temperatures", "0,1",
                              "--category", "qa", "--limit", "1", "--repeats", "2", "--json")
     assert code == 0, err
@@ -129,7 +162,7 @@ def test_identical_draft_accepts_everything_end_to_end(same_config):
         assert row["acceptance_rate"] == 1.0
         assert row["acceptance_by_position"] == [1.0] * row["gamma"]
         assert row["greedy_identical"] == (row["prompts"] if row["temperature"] == 0 else None)
-    folder = Path(err.split("Record: ")[1].split("record.json")[0].replace("\n", ""))
+    folder = written_record(tmp_path, "tiny-same")
     assert json.loads((folder / "record.json").read_text())["summary"] == record["summary"]
     assert "Speedup by category" in (folder / "report.md").read_text()
 
@@ -151,6 +184,10 @@ def test_text_prompts_and_table_output(same_config, tmp_path):
                              "--warmup", "0")
     assert code == 0, err
     assert "Speedup by category" in out and "Leviathan" in out and "default" in out
+    record = json.loads((written_record(tmp_path, "tiny-same") / "record.json").read_text())
+    assert [p["turns"] for p in record["prompt_set"]] == [["first prompt"], ["second prompt"]]
+    overall = [r for r in record["summary"] if r["group"] == "overall"]
+    assert [(r["prompts"], r["mean_accepted_length"]) for r in overall] == [(2, 4.0)]
 
 
 def test_malformed_prompt_file_is_a_clear_error(same_config, tmp_path):
@@ -174,32 +211,101 @@ def test_unreachable_accept_length_gate_exits_4(same_config):
     assert "Speedup by category" in out  # the results are shown and written before the gate fails
 
 
-def test_compare_two_records(same_config, tmp_path):
-    folders = []
-    for gamma in ("1", "3"):
-        code, out, err = run_cli("-c", str(same_config), "--category", "qa", "--temperatures", "0",
-                                 "--warmup", "0", "--gamma", gamma, "--json")
+def test_compare_two_records(tmp_path):
+    # A: an identical draft accepts all 3 drafts per forward; B: prompt lookup on random text, far fewer
+    configs = [write_pair(tmp_path), write_pair(tmp_path, name="tiny-ngram", draft={"ngram": {}})]
+    for path in configs:
+        code, out, err = run_cli("-c", str(path), "--category", "qa", "--temperatures", "0", "--warmup", "0",
+                                 "--json")
         assert code == 0, err
-        folders.append(Path(err.split("Record: ")[1].split("record.json")[0].replace("\n", "")))
-    code, out, err = run_cli("--compare", str(folders[0]), str(folders[0] / "record.json"), "--json")
+    a, b = written_record(tmp_path, "tiny-same"), written_record(tmp_path, "tiny-ngram")
+    length_b = [r for r in json.loads((b / "record.json").read_text())["summary"]
+                if r["group"] == "overall"][0]["mean_accepted_length"]
+    assert length_b < 4
+    code, out, err = run_cli("--compare", str(a), str(b / "record.json"), "--json")
     assert code == 0, err
     rows = json.loads(out)["rows"]
-    assert ["greedy, γ=1", "mean accepted length", "2.000", "2.000", "1.00×"] in rows
-    code, out, err = run_cli("--compare", str(folders[0]), str(folders[1]))
-    assert code == 0 and "Compare" in out  # no common (temperature, gamma): an empty table, no crash
+    assert ["greedy, γ=3", "mean accepted length", "4.000", f"{length_b:.3f}", f"{length_b / 4:.2f}×"] in rows
+    code, out, err = run_cli("-c", str(configs[0]), "--category", "qa", "--temperatures", "0", "--warmup", "0",
+                             "--gamma", "1", "--json")
+    assert code == 0, err
+    other = max((tmp_path / "runs").glob("*-benchmark-tiny-same*"))  # the second run of that config
+    code, out, err = run_cli("--compare", str(a), str(other), "--json")
+    assert code == 0 and json.loads(out)["rows"] == []  # no common (temperature, gamma)
+
+
+def run_peer(config: Path, *args: str) -> dict:
+    code, out, err = run_cli("-c", str(config), "--category", "qa", "--warmup", "0", "--peer", "hf", "--json",
+                             *args)
+    assert code == 0, err
+    return json.loads(out)
 
 
 def test_hf_peer_runs_beside_specdec(tmp_path):
-    path = tmp_path / "ngram.yaml"
-    path.write_text(yaml.safe_dump({**SAME_PAIR, "draft": {"ngram": {"max_n": 3}}}))
-    code, out, err = run_cli("-c", str(path), "--category", "qa", "--temperatures", "0,1", "--warmup", "0",
+    record = run_peer(write_pair(tmp_path, draft={"ngram": {"max_n": 3}}), "--temperatures", "0,1")
+    # plain generate() and transformers' prompt lookup, each beside specdec's speculative run
+    assert [(p["temperature"], p["engine"], p["gamma"], p["specdec_gamma"]) for p in record["peers"]] == [
+        (0.0, "hf", 0, 3), (0.0, "hf prompt lookup", 3, 3), (1.0, "hf", 0, 3), (1.0, "hf prompt lookup", 3, 3)]
+    assert all(p["peer_tokens_per_second"][0] > 0 and p["specdec_tokens_per_second"][0] > 0
+               for p in record["peers"])
+    assert [p["greedy_identical"] for p in record["peers"]] == [1, 1, None, None]
+    # the caption says the two n-gram drafters differ
+    assert "same loaded models" in record["peer_fairness"] and "earliest match" in record["peer_fairness"]
+    hf_runs = [r for r in record["runs"] if r["engine"] != "specdec"]
+    assert all(r["repeats"][0]["new_tokens"] == 12 for r in hf_runs)  # ignore_eos honoured
+
+
+def test_hf_peer_runs_a_draft_model_as_its_assistant(same_config):
+    record = run_peer(same_config, "--temperatures", "0")
+    assert [(p["engine"], p["gamma"]) for p in record["peers"]] == [("hf", 0), ("hf assisted", 3)]
+    assert [p["greedy_identical"] for p in record["peers"]] == [1, 1]
+    assert "earliest match" not in record["peer_fairness"]
+
+
+def test_hf_peer_ignores_the_checkpoints_generation_settings(tmp_path):
+    # a checkpoint may ship settings specdec does not apply; generate() would take them, greedy too
+    target = build_tiny(TinyModel(seed=0))
+    target.generation_config.repetition_penalty = 1.5
+    target.generation_config.no_repeat_ngram_size = 2
+    config = write_pair(tmp_path, target={"checkpoint": str(save_checkpoint(target, tmp_path / "target"))},
+                        draft={"ngram": {}}, generation={"max_new_tokens": 24, "ignore_eos": True})
+    record = run_peer(config, "--temperatures", "0")
+    tokens = tokens_by_mode(record)
+    assert tokens["hf", 0] == tokens["hf prompt lookup", 3] == tokens["specdec", 0] == tokens["specdec", 3]
+    # the settings matter here: generate() left to itself takes them and answers otherwise
+    prompt = torch.tensor([byte_tokenizer().encode(record["prompt_set"][0]["turns"][0])])
+    inherited = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24)
+    assert inherited[0, prompt.shape[1]:].tolist() != tokens["specdec", 0]
+
+
+def test_hf_peer_with_ignore_eos_samples_eos_and_carries_on(tmp_path):
+    # a head that makes EOS the greedy choice about half the time (EOS row w, another row -w, rest 0)
+    target = build_tiny(TinyModel(seed=0))
+    eos = byte_tokenizer().eos_token_id
+    with torch.no_grad():
+        w = target.lm_head.weight
+        w[eos], w[1] = w[0].clone(), -w[0]
+        w[[i for i in range(len(w)) if i not in (eos, 1)]] = 0
+    config = write_pair(tmp_path, target={"checkpoint": str(save_checkpoint(target, tmp_path / "target"))},
+                        draft={"ngram": {}}, generation={"max_new_tokens": 24, "ignore_eos": True})
+    tokens = tokens_by_mode(run_peer(config, "--temperatures", "0"))
+    assert eos in tokens["specdec", 0] and len(tokens["specdec", 0]) == 24
+    assert tokens["hf", 0] == tokens["specdec", 0] == tokens["hf prompt lookup", 3]
+
+
+def test_hf_peer_with_a_draft_head_of_another_size(tmp_path):
+    # Qwen2.5 0.5B and 7B share a tokenizer but not the head size; transformers' assisted generation refuses
+    target, draft = build_tiny(TinyModel(seed=0)), build_tiny(TinyModel(seed=0))
+    target.resize_token_embeddings(300)  # the byte tokenizer has 258 tokens: 42 spare rows, as in Qwen
+    config = write_pair(tmp_path, target={"checkpoint": str(save_checkpoint(target, tmp_path / "target"))},
+                        draft={"checkpoint": str(save_checkpoint(draft, tmp_path / "draft"))})
+    code, out, err = run_cli("-c", str(config), "--category", "qa", "--warmup", "0", "--temperatures", "0",
                              "--peer", "hf", "--json")
     assert code == 0, err
+    assert "LM head has 258 rows and the target's 300" in " ".join(err.split())  # said before any work
     record = json.loads(out)
-    assert [(p["engine"], p["temperature"]) for p in record["peers"]] == [("hf", 0.0), ("hf", 1.0)]
-    assert "same loaded models" in record["peer_fairness"]
-    hf_runs = [r for r in record["runs"] if r["engine"] == "hf"]
-    assert all(r["repeats"][0]["new_tokens"] == 12 for r in hf_runs)  # ignore_eos honoured
+    assert [(p["engine"], p["gamma"]) for p in record["peers"]] == [("hf", 0), ("hf prompt lookup", 3)]
+    assert "cannot run this draft" in record["peer_fairness"]
 
 
 def test_interrupt_keeps_finished_prompts():

@@ -99,10 +99,19 @@ def test_sampled_output_is_the_targets(distilled):
         assert verify.check_greedy(pair, prompt_ids, "p", 24, seed=0).passed
 
 
-def test_hf_peer_refuses_a_feature_draft(distilled):
-    # transformers' assisted generation cannot run it: a clear error, before any work
-    peer = runner.invoke(app, ["benchmark", "-c", str(distilled.pair_config), "--peer", "hf", "--limit", "1"])
-    assert peer.exit_code == EXIT_BAD_INPUT and "cannot run a feature draft" in peer.output
+def test_hf_peer_runs_what_transformers_has_beside_a_feature_draft(distilled):
+    # transformers cannot run a feature draft: plain generate() and its prompt lookup stand beside specdec
+    peer = runner.invoke(app, ["benchmark", "-c", str(distilled.pair_config), "--peer", "hf", "--category", "qa",
+                               "--temperatures", "0", "--warmup", "0", "--json"])
+    assert peer.exit_code == 0, peer.output
+    record = json.loads(peer.stdout)
+    [gamma] = record["settings"]["gammas"]
+    assert [(p["engine"], p["gamma"], p["specdec_gamma"]) for p in record["peers"]] == [
+        ("hf", 0, gamma), ("hf prompt lookup", gamma, gamma)]
+    for row in record["peers"]:
+        assert row["peer_tokens_per_second"][0] > 0 and row["specdec_tokens_per_second"][0] > 0
+        assert row["greedy_identical"] == 1
+    assert "a feature draft reads the target's hidden states" in record["peer_fairness"]
 
 
 def test_a_draft_for_another_target_is_refused(distilled, tmp_path):

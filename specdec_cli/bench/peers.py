@@ -1,52 +1,94 @@
-"""Peers measured in the same run as specdec: transformers' own assisted generation (`--peer hf`).
+"""Peers measured in the same run as specdec (`--peer hf`): transformers' generate() with the target
+alone, and with transformers' counterpart of the config's drafter: prompt lookup for an n-gram drafter,
+assisted generation for a draft model. Where transformers cannot run the config's draft (a feature
+draft, or a draft whose LM head differs in size from the target's), its prompt lookup stands in.
 
-How it is kept fair is report.PEER_FAIRNESS, printed under the peer table.
+How it is kept fair is report.PEER_FAIRNESS, printed under the peer table with the notes below.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import torch
 import transformers
 from transformers import GenerationConfig
 
 from specdec_cli.bench.measure import Measure, TurnGenerator
-from specdec_cli.drafters.ngram import NgramDrafter
-from specdec_cli.errors import SpecdecError
-from specdec_cli.models.pair import Pair
+from specdec_cli.bench.plan import HF_ASSISTED, HF_LOOKUP
+from specdec_cli.bench.report import LOOKUP_NOTE, PEER_FAIRNESS
+from specdec_cli.config import NgramSettings
 from specdec_cli.decoding.params import SamplingParams
+from specdec_cli.drafters.model import ModelDrafter
+from specdec_cli.drafters.ngram import NgramDrafter
+from specdec_cli.models.pair import Pair
 
-def hf_generator(pair: Pair, params: SamplingParams, gamma: int, max_new_tokens: int,
+
+def hf_drafting(pair: Pair) -> tuple[str, str | None]:
+    """The hf peer's speculative engine for this pair, and why it is not the config's drafter (None
+    when it is)."""
+    drafter = pair.drafter
+    if isinstance(drafter, NgramDrafter):
+        return HF_LOOKUP, None
+    if isinstance(drafter, ModelDrafter):
+        # transformers compares the configs' vocab_size and then wants two tokenizers (another algorithm)
+        target_rows, draft_rows = (m.config.get_text_config().vocab_size
+                                   for m in (pair.target.model, drafter.model.model))
+        if target_rows == draft_rows:
+            return HF_ASSISTED, None
+        why = (f"the draft's LM head has {draft_rows} rows and the target's {target_rows} (specdec pads or cuts "
+               f"the draft's logits, transformers refuses)")
+    elif drafter.reads_target_states:
+        why = "a feature draft reads the target's hidden states"
+    else:
+        why = f"it has no counterpart of specdec's {type(drafter).__name__}"
+    return HF_LOOKUP, (f"transformers' assisted generation cannot run this draft: {why}; the hf peer runs "
+                       f"plain generate() and transformers' prompt lookup instead.")
+
+
+def peer_caption(drafting: str, note: str | None) -> str:
+    return " ".join([PEER_FAIRNESS] + ([LOOKUP_NOTE] if drafting == HF_LOOKUP else []) + ([note] if note else []))
+
+
+@contextmanager
+def generation_configs(configs: dict[torch.nn.Module, GenerationConfig]):
+    """Give models these generation configs for one call. generate() fills every setting the config it
+    is passed leaves unset from the model's own generation_config (a checkpoint's repetition_penalty,
+    no_repeat_ngram_size, top_k...), greedy too; specdec applies none of them."""
+    saved = {model: model.generation_config for model in configs}
+    try:
+        for model, config in configs.items():
+            model.generation_config = config
+        yield
+    finally:
+        for model, config in saved.items():
+            model.generation_config = config
+
+
+def hf_generator(pair: Pair, params: SamplingParams, engine: str, gamma: int, max_new_tokens: int,
                  ignore_eos: bool) -> TurnGenerator:
-    """generate() with an assistant model, or prompt lookup when the config drafts with n-grams;
-    gamma 0 is plain generate() (target alone)."""
+    """generate() as `engine` runs it: plain (gamma 0), with prompt lookup, or with the draft model."""
     transformers.utils.logging.set_verbosity_error()  # assisted generate() warns about its own internal calls
     model = pair.target.model
-    eos = sorted(pair.eos_token_ids)
-    settings = {
-        "max_new_tokens": max_new_tokens,
-        "min_new_tokens": max_new_tokens if ignore_eos else 0,  # suppressing EOS until the limit = ignore it
-        "eos_token_id": eos, "pad_token_id": eos[0] if eos else 0,
-        "do_sample": not params.greedy,
-    }
+    # ignore_eos: no EOS ids at all, so the peer samples EOS and carries on as specdec does
+    # (min_new_tokens would mask EOS instead, sampling from another distribution)
+    eos = [] if ignore_eos else sorted(pair.eos_token_ids)
+    settings = {"max_new_tokens": max_new_tokens, "eos_token_id": eos or None, "pad_token_id": eos[0] if eos else 0,
+                "do_sample": not params.greedy}
     if not params.greedy:
         # explicit values even when they disable a warper: generate() fills unset ones with its own
         # defaults (top_k 50), which would sample from a different distribution than specdec
         settings.update(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
-    extra = {}
-    if gamma and isinstance(pair.drafter, NgramDrafter):
-        settings.update(prompt_lookup_num_tokens=gamma, max_matching_ngram_size=pair.drafter.max_n)
-    elif gamma and pair.drafter.reads_target_states:
-        raise SpecdecError("--peer hf: transformers' assisted generation cannot run a feature draft (one that "
-                           "reads the target's hidden states, as `specdec distill` makes); compare against a "
-                           "config with a standalone draft model or an n-gram drafter")
-    elif gamma:
+    configs, extra = {model: GenerationConfig()}, {}
+    if gamma and engine == HF_LOOKUP:
+        max_n = pair.drafter.max_n if isinstance(pair.drafter, NgramDrafter) else NgramSettings().max_n
+        settings.update(prompt_lookup_num_tokens=gamma, max_matching_ngram_size=max_n)
+    elif gamma and engine == HF_ASSISTED:
         assistant = pair.drafter.model.model
-        # transformers 5 reads the assistant's knobs from its own generation config
-        assistant.generation_config.num_assistant_tokens = gamma
-        assistant.generation_config.num_assistant_tokens_schedule = "constant"
-        assistant.generation_config.assistant_confidence_threshold = 0.0  # never stop drafting early
+        # the assistant's knobs come from its own generation config: always gamma tokens, never stop early
+        configs[assistant] = GenerationConfig(num_assistant_tokens=gamma, num_assistant_tokens_schedule="constant",
+                                              assistant_confidence_threshold=0.0)
         extra["assistant_model"] = assistant
     config = GenerationConfig(**settings)
 
@@ -54,13 +96,13 @@ def hf_generator(pair: Pair, params: SamplingParams, gamma: int, max_new_tokens:
         torch.manual_seed(seed)
         input_ids = torch.tensor([prompt_ids], device=pair.device)
         start = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), generation_configs(configs):
             output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                                     generation_config=config, **extra)
         if pair.device.type == "cuda":
             torch.cuda.synchronize(pair.device)
         seconds = time.perf_counter() - start
         new = output[0, len(prompt_ids):].tolist()
-        return new, Measure(len(new), None, seconds)
+        return new, Measure(len(new), None, seconds, token_ids=new)
 
     return generate

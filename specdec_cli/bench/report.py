@@ -22,9 +22,15 @@ LEVIATHAN = ("predicted = (1 - α^(γ+1)) / ((1 - α)(γc + 1)) (Leviathan et al
              "above measured is that extra verification cost plus the loop's overhead")
 
 PEER_FAIRNESS = ("Fair by construction: transformers generate() runs the same loaded models (same weights, dtype, "
-                 "device, threads) on the same encoded prompts with the same max_new_tokens, EOS ids (ignore_eos "
-                 "as min_new_tokens), sampling settings, seed and warm-up; both sides are timed end-to-end "
-                 "(prefill + decode) because generate() does not time them apart.")
+                 "device, threads) on the same encoded prompts with the same max_new_tokens, EOS ids, sampling "
+                 "settings, seed and warm-up, and nothing from the checkpoint's generation_config (repetition "
+                 "penalty and the like), which specdec does not apply either; with ignore_eos neither side has EOS "
+                 "ids: both sample EOS and carry on. Both sides are timed end-to-end (prefill + decode) because "
+                 "generate() does not time them apart. Each peer stands beside specdec's speculative run at the "
+                 "same temperature; hf target only is plain generate().")
+LOOKUP_NOTE = ("hf prompt lookup is transformers' n-gram drafter, not specdec's: it copies what followed the "
+               "earliest match of the longest suffix n-gram (max_n down to 1, ignoring min_n), specdec's what "
+               "followed the most recent match, so drafts and acceptance differ.")
 
 
 @dataclass
@@ -99,13 +105,17 @@ def detail_report(summary: list[dict]) -> Report:
     return Report("Overall", ["metric"] + [_mode(r) for r in overall], rows, LEVIATHAN)
 
 
-def peer_report(peers: list[dict]) -> Report:
-    rows = [[r["engine"], _mode(r), str(r["prompts"]), spread(r["specdec_tokens_per_second"]),
-             spread(r["peer_tokens_per_second"]),
+def peer_report(peers: list[dict], caption: str) -> Report:
+    rows = [[temperature_label(r["temperature"]),
+             f"{r['engine']} target only" if r["gamma"] == 0 else f"{r['engine']} γ={r['gamma']}",
+             f"γ={r['specdec_gamma']}", str(r["prompts"]), spread(r["peer_tokens_per_second"]),
+             spread(r["specdec_tokens_per_second"]),
              f"{r['specdec_tokens_per_second'][0] / r['peer_tokens_per_second'][0]:.2f}×"
-             if r["peer_tokens_per_second"][0] else "n/a"] for r in peers]
-    header = ["peer", "mode", "prompts", "specdec tok/s", "peer tok/s", "specdec / peer"]
-    return Report("Peers (end-to-end tok/s, prefill + decode)", header, rows, PEER_FAIRNESS)
+             if r["peer_tokens_per_second"][0] else "n/a",
+             "n/a" if r["greedy_identical"] is None else f"{r['greedy_identical']}/{r['prompts']}"] for r in peers]
+    header = ["temperature", "peer", "specdec", "prompts", "peer tok/s", "specdec tok/s", "specdec / peer",
+              "same greedy tokens"]
+    return Report("Peers (end-to-end tok/s, prefill + decode)", header, rows, caption)
 
 
 def compare_report(a: dict, b: dict, names: tuple[str, str]) -> Report:

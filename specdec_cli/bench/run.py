@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 from specdec_cli.bench.measure import Measure, TurnGenerator
-from specdec_cli.bench.plan import HF, Mode, Plan
+from specdec_cli.bench.plan import SPECDEC, Mode, Plan
 from specdec_cli.bench.prompts import Prompt
 from specdec_cli.models.pair import Pair
 
@@ -28,9 +28,10 @@ def specdec_generator(pair: Pair, mode: Mode, plan: Plan, max_new_tokens: int) -
 
 
 def make_generator(pair: Pair, mode: Mode, plan: Plan, max_new_tokens: int) -> TurnGenerator:
-    if mode.engine == HF:
+    if mode.engine != SPECDEC:
         from specdec_cli.bench.peers import hf_generator
-        return hf_generator(pair, plan.params(mode.temperature), mode.gamma, max_new_tokens, plan.ignore_eos)
+        return hf_generator(pair, plan.params(mode.temperature), mode.engine, mode.gamma, max_new_tokens,
+                            plan.ignore_eos)
     return specdec_generator(pair, mode, plan, max_new_tokens)
 
 

@@ -16,12 +16,15 @@ def steps_of(run: dict) -> list[StepRecord]:
     return [StepRecord(*s) for rep in run["repeats"] for s in rep["steps"]]
 
 
-
-
 def _group_tps(runs: list[dict], key: str) -> list[list[float]]:
     """Per repeat index, the per-prompt tokens/s (key: decode or end-to-end)."""
     repeats = min(len(r["repeats"]) for r in runs)
     return [[r["repeats"][i][key] for r in runs] for i in range(repeats)]
+
+
+def _mean_tps(runs: list[dict], key: str) -> tuple[float, float, float]:
+    """The mean over prompts per repeat: its median and range over repeats."""
+    return median_and_spread([statistics.fmean(t) for t in _group_tps(runs, key)])
 
 
 def summarize_mode(baseline: list[dict], speculative: list[dict], gamma: int) -> dict:
@@ -34,17 +37,20 @@ def summarize_mode(baseline: list[dict], speculative: list[dict], gamma: int) ->
     speedups = [speedup(b, s) for b, s in zip(base_tps, spec_tps)]
     base_steps = [s for r in baseline for s in steps_of(r)]
     spec_steps = [s for r in speculative for s in steps_of(r)]
-    drafted = sum(s.drafted for s in spec_steps)
+    # c per drafted token counts only the blocks that drafted: one where the n-gram drafter found no match
+    # costs lookup time but drafts nothing (that time stays in draft_time_share)
+    drafting = [s for s in spec_steps if s.drafted]
+    drafted = sum(s.drafted for s in drafting)
     target_forwards = len(base_steps)
-    c = (cost_ratio(sum(s.draft_seconds for s in spec_steps) / drafted,
+    c = (cost_ratio(sum(s.draft_seconds for s in drafting) / drafted,
                     sum(s.verify_seconds for s in base_steps) / target_forwards)
          if drafted and target_forwards else None)
     alpha = per_token_acceptance(spec_steps)
     return {
         "prompts": len(speculative),
         "gamma": gamma,
-        "baseline_tokens_per_second": median_and_spread([statistics.fmean(t) for t in base_tps]),
-        "speculative_tokens_per_second": median_and_spread([statistics.fmean(t) for t in spec_tps]),
+        "baseline_tokens_per_second": _mean_tps(baseline, "tokens_per_second"),
+        "speculative_tokens_per_second": _mean_tps(speculative, "tokens_per_second"),
         "speedup": median_and_spread(speedups),
         "mean_accepted_length": mean_accepted_length(spec_steps),
         "acceptance_rate": acceptance_rate(spec_steps),
@@ -97,21 +103,25 @@ def summarize(runs: list[dict]) -> list[dict]:
 
 
 def summarize_peers(runs: list[dict]) -> list[dict]:
-    """Per (engine, temperature, gamma), the peer beside specdec's run of the same prompts, as
-    end-to-end tokens/s (prefill + decode), because transformers' generate() does not time them apart."""
+    """Per peer mode, the peer beside specdec's speculative run of the same prompts at the same temperature:
+    the same gamma, or each gamma for the peer's target-only run. As end-to-end tokens/s (prefill +
+    decode), because transformers' generate() does not time them apart."""
     out = []
     key = "end_to_end_tokens_per_second"
-    for engine, temperature, gamma in sorted({(r["engine"], r["temperature"], r["gamma"])
+    gammas = sorted({r["gamma"] for r in runs if r["engine"] == SPECDEC} - {0})
+    for temperature, gamma, engine in sorted({(r["temperature"], r["gamma"], r["engine"])
                                               for r in runs if r["engine"] != SPECDEC}):
         peers = _by_prompt(runs, engine, temperature, gamma)
-        ours = _by_prompt(runs, SPECDEC, temperature, gamma)
-        ids = [i for i in peers if i in ours]
-        if ids:
-            ours_tps = [statistics.fmean(t) for t in _group_tps([ours[i] for i in ids], key)]
-            peer_tps = [statistics.fmean(t) for t in _group_tps([peers[i] for i in ids], key)]
-            out.append({"engine": engine, "temperature": temperature, "gamma": gamma, "prompts": len(ids),
-                        "specdec_tokens_per_second": median_and_spread(ours_tps),
-                        "peer_tokens_per_second": median_and_spread(peer_tps)})
+        for specdec_gamma in [gamma] if gamma else gammas:
+            ours = _by_prompt(runs, SPECDEC, temperature, specdec_gamma)
+            ids = [i for i in peers if i in ours]
+            if ids:
+                ours_runs, peer_runs = [ours[i] for i in ids], [peers[i] for i in ids]
+                out.append({"engine": engine, "temperature": temperature, "gamma": gamma,
+                            "specdec_gamma": specdec_gamma, "prompts": len(ids),
+                            "specdec_tokens_per_second": _mean_tps(ours_runs, key),
+                            "peer_tokens_per_second": _mean_tps(peer_runs, key),
+                            "greedy_identical": greedy_identical(ours_runs, peer_runs)})
     return out
 
 
