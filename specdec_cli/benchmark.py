@@ -8,10 +8,10 @@ from dataclasses import asdict
 from specdec_cli import display, records
 from specdec_cli.bench.plan import Mode, Plan
 from specdec_cli.bench.prompts import Prompt
-from specdec_cli.bench.report import (category_report, detail_report, environment_caption, markdown_document,
+from specdec_cli.bench.report import (batch_report, category_report, detail_report, environment_caption, markdown_document,
                                       peer_report, rich_table)
-from specdec_cli.bench.run import run_benchmark
-from specdec_cli.bench.summary import gate_failures, summarize, summarize_peers
+from specdec_cli.bench.run import run_batches, run_benchmark
+from specdec_cli.bench.summary import gate_failures, summarize, summarize_batches, summarize_peers
 from specdec_cli.config import Config
 from specdec_cli.errors import EXIT_GATE_FAILED, SpecdecError
 from specdec_cli.models.pair import load_pair
@@ -38,16 +38,30 @@ def execute(cfg: Config, prompts: list[Prompt], plan: Plan, as_json: bool, min_s
 
         runs, partial = run_benchmark(pair, prompts, plan, on_run)
         progress.update(task, completed=len(runs))
+        batch_runs = []
+        if len(plan.batch_sizes) > 1 and not partial:
+            batched = plan.batch_modes()
+            batch_task = progress.add_task("batches", total=len(batched))
+
+            def on_batch(size: int, mode: Mode, start: int, n: int) -> None:
+                progress.update(batch_task, completed=batched.index((size, mode)),
+                                description=f"batch size {size}, prompts {start + 1}-{min(start + size, n)}/{n}: "
+                                            f"{mode.label}")
+
+            batch_runs, partial = run_batches(pair, prompts, plan, on_batch)
+            progress.update(batch_task, completed=len(batched))
     summary = summarize(runs)
+    batch_summary = summarize_batches(runs, batch_runs)
     peers = summarize_peers(runs)
     record = {
         **records.header("benchmark", cfg, pair.describe()), "partial": partial,
         "settings": {**asdict(plan), "multi_turn": "every turn counts; each mode feeds back its own answers",
                      "prompts": len(prompts)},
-        "summary": summary, "peers": peers, "peer_fairness": caption,
-        "prompt_set": [asdict(p) for p in prompts], "runs": runs,
+        "summary": summary, "peers": peers, "peer_fairness": caption, "batch_summary": batch_summary,
+        "prompt_set": [asdict(p) for p in prompts], "runs": runs, "batch_runs": batch_runs,
     }
-    tables = [category_report(summary), detail_report(summary)] + ([peer_report(peers, caption)] if peers else [])
+    tables = ([category_report(summary), detail_report(summary)] + ([peer_report(peers, caption)] if peers else [])
+              + ([batch_report(batch_summary)] if batch_runs else []))
     folder = records.write_record("benchmark", cfg.name, record)
     (folder / "report.md").write_text(markdown_document(record, tables))
     if as_json:

@@ -80,6 +80,7 @@ def generate(
   specdec benchmark -c configs/tiny-random.yaml --gamma 1,2,4 --temperatures 0,0.7 --repeats 3\n
   specdec benchmark --prompts question.jsonl --category qa --limit 5 --peer hf\n
   specdec benchmark --min-speedup 1.2 --min-accept-length 2 --json > result.json\n
+  specdec benchmark --batch-sizes 1,2,4,8 --max-new-tokens 64\n
   specdec benchmark --compare runs/A runs/B""")
 @reports_errors
 def benchmark(
@@ -97,7 +98,11 @@ def benchmark(
     repeats: Annotated[int, typer.Option(help="Runs per prompt and mode; median and range reported.")] = 1,
     warmup: Annotated[int, typer.Option(help="Unmeasured warm-up generations per mode.")] = 1,
     peer: Annotated[Optional[str], typer.Option(
-        help="Also measure a peer: hf (transformers' assisted generate) on the same prompts.")] = None,
+        help="Also measure a peer on the same prompts: hf (transformers' generate(), alone and with its "
+             "assisted generation or prompt lookup).")] = None,
+    batch_sizes: Annotated[Optional[str], typer.Option(
+        help="Also decode the prompts in batches of these sizes, e.g. 2,4,8: throughput, speedup and the "
+             "batch size where speculation stops paying.")] = None,
     min_speedup: Annotated[Optional[float], typer.Option(
         help="Exit 4 unless every overall speedup reaches this.")] = None,
     min_accept_length: Annotated[Optional[float], typer.Option(
@@ -115,7 +120,7 @@ def benchmark(
                     generation__ignore_eos=ignore_eos, runtime__device=device, runtime__dtype=dtype,
                     runtime__threads=threads)
     plan = make_plan(cfg, parse_list(gamma, int, "--gamma"), parse_list(temperatures, float, "--temperatures"),
-                     repeats, warmup, peer)
+                     repeats, warmup, peer, parse_list(batch_sizes, int, "--batch-sizes"))
     selected = choose_prompts(prompts, category, limit)
     from specdec_cli.benchmark import execute  # torch/transformers load only once arguments are fine
     execute(cfg, selected, plan, as_json, min_speedup, min_accept_length)

@@ -9,6 +9,8 @@ import torch
 from typer.testing import CliRunner
 
 from specdec_cli import verify
+from specdec_cli.bench.report import compare_report
+from specdec_cli.bench.summary import summarize_batches
 from specdec_cli.cli import app
 from specdec_cli.config import TinyModel, parse_config
 from specdec_cli.decoding.engine import SpeculativeDecoder
@@ -112,3 +114,46 @@ def test_generate_decodes_a_prompt_file_in_batches(write_config, tmp_path):
     assert record["stats"]["new_tokens"] == sum(r["stats"]["new_tokens"] for r in record["rows"])
     refused = runner.invoke(app, ["generate", "-c", config, "--prompt", "x", "--batch-size", "2"])
     assert refused.exit_code == EXIT_BAD_INPUT and "--batch-size needs --prompts" in refused.output
+
+
+def test_benchmark_measures_each_batch_size(write_config):
+    config = str(write_config({"draft": {"tiny": {"seed": 0}}, "generation": {"max_new_tokens": 8, "ignore_eos": True}}))
+    run = runner.invoke(app, ["benchmark", "-c", config, "--batch-sizes", "2,4", "--temperatures", "0",
+                              "--warmup", "0", "--json"])
+    assert run.exit_code == 0, run.output
+    record = json.loads(run.stdout)
+    rows = record["batch_summary"]
+    assert [r["batch_size"] for r in rows] == [1, 2, 4]
+    for row in rows:  # the draft is the target: every draft accepted, at every batch size
+        assert row["mean_accepted_length"] == 4.0 and row["acceptance_by_position"] == [1.0, 1.0, 1.0]
+        assert row["speculative_tokens_per_second_per_sequence"][0] * row["batch_size"] == pytest.approx(
+            row["speculative_tokens_per_second"][0])
+    sizes = {len(r["prompt_ids"]) for r in record["batch_runs"] if r["batch_size"] == 4}
+    assert sizes == {4, 3}  # 7 built-in prompts: a batch of 4 and one of 3
+
+
+def batch_run(size, gamma, tokens, seconds):
+    return {"batch_size": size, "temperature": 0.0, "gamma": gamma, "prompt_ids": ["a"],
+            "repeats": [{"new_tokens": tokens, "decode_seconds": seconds, "steps": [[gamma, gamma, gamma + 1, 0.1, 0.1]]}]}
+
+
+def test_the_crossover_is_the_smallest_batch_size_that_lost():
+    prompt_runs = [{"engine": "specdec", "prompt_id": "a", "category": "c", "temperature": 0.0, "gamma": g,
+                    "repeats": [{"new_tokens": 10, "decode_seconds": s, "steps": [[g, g, g + 1, 0.1, 0.1]]}]}
+                   for g, s in ((0, 1.0), (2, 0.5))]
+    batches = [batch_run(2, 0, 20, 1.0), batch_run(2, 2, 20, 0.8), batch_run(4, 0, 40, 1.0), batch_run(4, 2, 40, 1.25),
+               batch_run(8, 0, 80, 1.0), batch_run(8, 2, 80, 0.9)]
+    rows = summarize_batches(prompt_runs, batches)
+    assert [round(r["speedup"][0], 2) for r in rows] == [2.0, 1.25, 0.8, 1.11]
+    assert {r["crossover_batch_size"] for r in rows} == {4}  # 8 won again: the crossover is where it first lost
+
+
+def test_compare_matches_batch_size_rows():
+    def record(name, speedup):
+        row = {"batch_size": 4, "temperature": 0.0, "gamma": 2, "baseline_tokens_per_second": [10.0] * 3,
+               "speculative_tokens_per_second": [10.0 * speedup] * 3, "speedup": [speedup] * 3,
+               "mean_accepted_length": 2.0}
+        return {"name": name, "timestamp": "t", "summary": [], "batch_summary": [row]}
+
+    table = compare_report(record("a", 1.5), record("b", 0.75), ("A", "B"))
+    assert ["batch 4, greedy, γ=2", "speedup", "1.500", "0.750", "0.50×"] in table.rows

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdec_cli.bench.prompts import Prompt, builtin_suite, load_prompts, select
@@ -46,9 +46,15 @@ class Plan:
     top_p: float
     peer: str | None = None
     peer_drafting: str | None = None  # the peer's speculative engine, chosen once the models are loaded
+    batch_sizes: list[int] = field(default_factory=lambda: [1])  # > 1: specdec also decodes prompts together
 
     def params(self, temperature: float) -> SamplingParams:
         return SamplingParams(temperature=temperature, top_k=self.top_k, top_p=self.top_p)
+
+    def batch_modes(self) -> list[tuple[int, Mode]]:
+        """(batch size, mode) of the batched runs: target-only and each gamma, per temperature."""
+        return [(b, Mode(t, g)) for b in self.batch_sizes if b > 1 for t in self.temperatures
+                for g in [0] + self.gammas]
 
     def modes(self) -> list[Mode]:
         """Per temperature: the baseline first, then each gamma, then the peer alone and its run of each gamma."""
@@ -74,7 +80,7 @@ def parse_list(text: str | None, kind: type, option: str) -> list | None:
 
 
 def make_plan(cfg: Config, gammas: list[int] | None, temperatures: list[float] | None, repeats: int,
-              warmup: int, peer: str | None) -> Plan:
+              warmup: int, peer: str | None, batch_sizes: list[int] | None = None) -> Plan:
     """Defaults: the config's gamma; greedy and the config's temperature (1.0 if the config is greedy)."""
     gammas = gammas or [cfg.speculation.num_draft_tokens]
     temperatures = temperatures or list(dict.fromkeys([0.0, cfg.sampling.temperature or 1.0]))
@@ -86,9 +92,12 @@ def make_plan(cfg: Config, gammas: list[int] | None, temperatures: list[float] |
         raise SpecdecError("--repeats must be >= 1 and --warmup >= 0")
     if peer is not None and peer not in PEERS:
         raise SpecdecError(f"unknown --peer {peer!r}; known: {', '.join(PEERS)}")
+    batch_sizes = sorted(set([1] + (batch_sizes or [])))  # batch 1 is always measured: the sizes compare to it
+    if batch_sizes[0] < 1:
+        raise SpecdecError(f"--batch-sizes must be >= 1, got {batch_sizes}")
     s = cfg.sampling
     return Plan(temperatures, gammas, cfg.generation.max_new_tokens, repeats, warmup, cfg.generation.ignore_eos,
-                s.seed, s.top_k, s.top_p, peer)
+                s.seed, s.top_k, s.top_p, peer, batch_sizes=batch_sizes)
 
 
 def choose_prompts(path: Path | None, category: str | None, limit: int | None) -> list[Prompt]:

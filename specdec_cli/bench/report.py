@@ -118,22 +118,49 @@ def peer_report(peers: list[dict], caption: str) -> Report:
     return Report("Peers (end-to-end tok/s, prefill + decode)", header, rows, caption)
 
 
+BATCH_NOTE = ("Per batch size: the prompts in consecutive batches of that size, target alone and speculative "
+              "through the same loop. total tok/s = all new tokens / all decode wall time; per sequence = "
+              "total / batch size; speedup = speculative total / target-only total at that batch size. "
+              "crossover = the smallest measured batch size whose speedup is below 1.")
+
+
+def batch_report(rows: list[dict]) -> Report:
+    header = ["batch", "mode", "target-only tok/s", "speculative tok/s", "per sequence", "speedup",
+              "acc len", "acc len (vLLM)", "acceptance by position", "drafting", "crossover"]
+    table = [[str(r["batch_size"]), _mode(r), spread(r["baseline_tokens_per_second"]),
+              spread(r["speculative_tokens_per_second"]), spread(r["speculative_tokens_per_second_per_sequence"]),
+              spread(r["speedup"], ".2f") + "×", fmt(r["mean_accepted_length"]), fmt(r["vllm_mean_acceptance_length"]),
+              " ".join(fmt(p, ".2f") for p in r["acceptance_by_position"]), fmt(r["draft_time_share"], ".0%"),
+              "none measured" if r["crossover_batch_size"] is None else f"batch {r['crossover_batch_size']}"]
+             for r in rows]
+    return Report("Batch sizes", header, table, BATCH_NOTE)
+
+
+COMPARED = [("target-only tok/s", "baseline_tokens_per_second"), ("speculative tok/s", "speculative_tokens_per_second"),
+            ("speedup", "speedup"), ("mean accepted length", "mean_accepted_length")]
+
+
 def compare_report(a: dict, b: dict, names: tuple[str, str]) -> Report:
-    """Two records' overall rows side by side, matched by (temperature, gamma)."""
-    fields = [("target-only tok/s", "baseline_tokens_per_second"),
-              ("speculative tok/s", "speculative_tokens_per_second"), ("speedup", "speedup"),
-              ("mean accepted length", "mean_accepted_length"), ("acceptance rate", "acceptance_rate")]
-    index = {(r["temperature"], r["gamma"]): r for r in b["summary"] if r["group"] == OVERALL}
+    """Two records side by side: overall rows matched by (temperature, gamma), batch-size rows by
+    (batch size, temperature, gamma) where both records measured batches."""
+    def overall(record: dict) -> dict:
+        return {(r["temperature"], r["gamma"]): r for r in record["summary"] if r["group"] == OVERALL}
+
+    def batches(record: dict) -> dict:
+        return {(r["batch_size"], r["temperature"], r["gamma"]): r for r in record.get("batch_summary", [])
+                if r["batch_size"] > 1}
+
     rows = []
-    for ra in (r for r in a["summary"] if r["group"] == OVERALL):
-        rb = index.get((ra["temperature"], ra["gamma"]))
-        if rb is None:
-            continue
-        for name, key in fields:
-            va, vb = (_value(r[key]) for r in (ra, rb))
-            ratio = fmt(vb / va if va and vb is not None else None, ".2f", "×")
-            rows.append([_mode(ra), name, fmt(va, ".3f"), fmt(vb, ".3f"), ratio])
-    return Report("Compare (overall)", ["mode", "metric", names[0], names[1], "B / A"], rows,
+    for index, fields, label in ((overall, COMPARED + [("acceptance rate", "acceptance_rate")], _mode),
+                                 (batches, COMPARED, lambda r: f"batch {r['batch_size']}, {_mode(r)}")):
+        rows_b = index(b)
+        for key, ra in index(a).items():
+            if key in rows_b:
+                for name, field in fields:
+                    va, vb = _value(ra[field]), _value(rows_b[key][field])
+                    ratio = fmt(vb / va if va and vb is not None else None, ".2f", "×")
+                    rows.append([label(ra), name, fmt(va, ".3f"), fmt(vb, ".3f"), ratio])
+    return Report("Compare", ["mode", "metric", names[0], names[1], "B / A"], rows,
                   f"A: {a['name']} ({a['timestamp']}), B: {b['name']} ({b['timestamp']}); tok/s and speedup are "
                   f"medians over repeats")
 

@@ -6,6 +6,7 @@ the next turn, and all turns count (as in Spec-Bench): a prompt's numbers are it
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 from specdec_cli.bench.measure import Measure, TurnGenerator
@@ -76,6 +77,61 @@ def run_benchmark(pair: Pair, prompts: list[Prompt], plan: Plan, on_run: OnRun |
                                     "temperature": mode.temperature, "gamma": mode.gamma, "engine": mode.engine,
                                     "repeats": [m.to_dict() for m in measures]})
             runs += prompt_runs
+    except KeyboardInterrupt:
+        return runs, True
+    return runs, False
+
+
+def run_batch(pair: Pair, prompts: list[Prompt], mode: Mode, plan: Plan, seed: int) -> dict:
+    """One batch: the prompts decoded together, turn by turn (turn k of every prompt that has one, each
+    row seeing its own earlier turns and answers). Wall times are the batch's; steps and tokens all rows'."""
+    decoder = pair.decoder(plan.params(mode.temperature), speculative=mode.gamma > 0,
+                           num_draft_tokens=mode.gamma or None)
+    histories: list[list[dict]] = [[] for _ in prompts]
+    total = {"new_tokens": 0, "prefill_seconds": 0.0, "decode_seconds": 0.0, "steps": [],
+             "token_ids": [[] for _ in prompts]}
+    for turn in range(max(len(p.turns) for p in prompts)):
+        rows = [i for i, p in enumerate(prompts) if turn < len(p.turns)]
+        encoded = [pair.encode(prompts[i].turns[turn], history=histories[i]) for i in rows]
+        for ids in encoded:
+            pair.check_fits(ids, plan.max_new_tokens)
+        results = decoder.generate_batch(encoded, plan.max_new_tokens, seed, ignore_eos=plan.ignore_eos)
+        total["prefill_seconds"] += results[0].prefill_seconds
+        total["decode_seconds"] += max(r.decode_seconds for r in results)
+        for i, r in zip(rows, results):
+            total["new_tokens"] += len(r.token_ids)
+            total["token_ids"][i] += r.token_ids
+            total["steps"] += [[s.drafted, s.accepted, s.emitted, s.draft_seconds, s.verify_seconds] for s in r.steps]
+            answer = pair.tokenizer.decode(r.token_ids, skip_special_tokens=True)
+            histories[i] += [{"role": "user", "content": prompts[i].turns[turn]},
+                             {"role": "assistant", "content": answer}]
+    return total
+
+
+# Called before each batched run with (batch size, mode, first prompt index, number of prompts).
+OnBatch = Callable[[int, Mode, int, int], None]
+
+
+def run_batches(pair: Pair, prompts: list[Prompt], plan: Plan, on_batch: OnBatch | None = None
+                ) -> tuple[list[dict], bool]:
+    """Every batch size above 1 of the plan: the prompts in consecutive batches of that size, target
+    alone and speculative, `repeats` times each, after a short warm-up batch per mode. Returns (runs,
+    partial): Ctrl-C stops early, and the summary compares only batches measured in both modes."""
+    runs: list[dict] = []
+    warmup = replace(plan, max_new_tokens=min(WARMUP_TOKENS, plan.max_new_tokens))
+    try:
+        for size, mode in plan.batch_modes():
+            for _ in range(plan.warmup):
+                run_batch(pair, [Prompt(p.id, p.category, p.turns[:1]) for p in prompts[:size]], mode, warmup,
+                          plan.seed)
+            for start in range(0, len(prompts), size):
+                if on_batch:
+                    on_batch(size, mode, start, len(prompts))
+                group = prompts[start:start + size]
+                runs.append({"batch_size": size, "temperature": mode.temperature, "gamma": mode.gamma,
+                             "prompt_ids": [p.id for p in group],
+                             "repeats": [run_batch(pair, group, mode, plan, plan.seed + start)
+                                         for _ in range(plan.repeats)]})
     except KeyboardInterrupt:
         return runs, True
     return runs, False

@@ -9,7 +9,8 @@ from specdec_cli.bench.plan import SPECDEC
 from specdec_cli.bench.report import OVERALL, temperature_label
 from specdec_cli.decoding.metrics import (StepRecord, acceptance_by_position, acceptance_rate, cost_ratio,
                                           draft_time_share, mean_accepted_length, median_and_spread,
-                                          per_token_acceptance, predicted_speedup, speedup)
+                                          per_token_acceptance, predicted_speedup, speedup,
+                                          vllm_mean_acceptance_length)
 
 
 def steps_of(run: dict) -> list[StepRecord]:
@@ -138,3 +139,52 @@ def gate_failures(summary: list[dict], min_speedup: float | None, min_accept_len
             failures.append(f"mean accepted length {length if length is None else f'{length:.2f}'} "
                             f"< {min_accept_length:g} ({mode})")
     return failures
+
+
+def _batch_groups(runs: list[dict], batch_runs: list[dict]) -> dict[tuple, list[dict]]:
+    """(batch size, temperature, gamma) -> its runs; batch 1 from the per-prompt runs."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        if r["engine"] == SPECDEC:
+            groups.setdefault((1, r["temperature"], r["gamma"]), []).append(r)
+    for r in batch_runs:
+        groups.setdefault((r["batch_size"], r["temperature"], r["gamma"]), []).append(r)
+    return groups
+
+
+def _total_tps(runs: list[dict]) -> list[float]:
+    """Per repeat: all tokens over all decode wall time (a batch's rows decode at the same time)."""
+    repeats = min(len(r["repeats"]) for r in runs)
+    return [sum(r["repeats"][i]["new_tokens"] for r in runs) / max(sum(r["repeats"][i]["decode_seconds"]
+                                                                       for r in runs), 1e-9)
+            for i in range(repeats)]
+
+
+def summarize_batches(runs: list[dict], batch_runs: list[dict]) -> list[dict]:
+    """Per (batch size, temperature, gamma): total tokens/s of the target alone and of speculative
+    decoding at that batch size, their ratio, and acceptance; then, per (temperature, gamma), the
+    smallest batch size whose speedup fell below 1 (None: none measured)."""
+    groups = _batch_groups(runs, batch_runs)
+    out = []
+    for size, temperature, gamma in sorted(k for k in groups if k[2] > 0):
+        base, spec = groups.get((size, temperature, 0)), groups[(size, temperature, gamma)]
+        if not base:
+            continue
+        base_tps, spec_tps = _total_tps(base), _total_tps(spec)
+        steps = [s for r in spec for s in steps_of(r)]
+        out.append({
+            "batch_size": size, "temperature": temperature, "gamma": gamma,
+            "baseline_tokens_per_second": median_and_spread(base_tps),
+            "speculative_tokens_per_second": median_and_spread(spec_tps),
+            "speculative_tokens_per_second_per_sequence": median_and_spread([t / size for t in spec_tps]),
+            "speedup": median_and_spread([s / b for b, s in zip(base_tps, spec_tps)]),
+            "mean_accepted_length": mean_accepted_length(steps),
+            "vllm_mean_acceptance_length": vllm_mean_acceptance_length(steps),
+            "acceptance_by_position": acceptance_by_position(steps, gamma),
+            "draft_time_share": draft_time_share(steps),
+        })
+    for row in out:
+        slower = [r["batch_size"] for r in out if (r["temperature"], r["gamma"]) == (row["temperature"], row["gamma"])
+                  and r["speedup"][0] < 1]
+        row["crossover_batch_size"] = min(slower, default=None)
+    return out
