@@ -1,17 +1,22 @@
 """`specdec verify-distribution`: statistical evidence that speculative output is the target's own.
 
-Four checks, all through the code `generate` uses (the sampler functions are looked up on the
+Five checks, all through the code `generate` uses (the sampler functions are looked up on the
 `sampling` module at call time, so a patched or broken sampler is the one under test):
 1. sampler: for many (p, q) shapes, the exact output distribution of accept-or-resample from the
    formula equals p, and N draws of `verify_sampled` pass a goodness-of-fit test against p (and the
    bonus token against the last position's distribution);
-2. first token: N speculative runs (seeds s, s+1, ...) against the exact warped target distribution;
-3. positions 2..k: the same runs, conditional on their most frequent prefixes, against the target's
-   exact conditional distribution, one pooled test per position;
-4. greedy identity: speculative greedy output equals target-only greedy output.
+2. first token: N speculative runs (seeds s, s+1, ...) of BLOCKS * (gamma + 1) tokens each, token 1
+   against the exact warped target distribution;
+3. positions 2..gamma+1: the same runs, conditional on their most frequent prefixes, against the
+   target's exact conditional distribution, one pooled test per position;
+4. every token: each token of every run ranked in the target's exact distribution after that run's own
+   prefix (a randomized probability integral transform, uniform under exactness), one test per block
+   of gamma + 1 positions; this reaches past the first block, where rare prefixes leave check 3 no data;
+5. greedy identity: speculative greedy output equals target-only greedy output.
 
 The goodness-of-fit tests are Pearson chi-square tests on bins that pool rare tokens; all of them form
-one family, corrected for multiplicity with Holm's step-down method at the chosen significance.
+one family, corrected for multiplicity with Holm's step-down method at the chosen significance. A test
+with too few draws for a single degree of freedom is reported as not run, neither passed nor failed.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import torch
@@ -29,7 +34,7 @@ from scipy import stats
 from specdec_cli import display, records
 from specdec_cli.decoding import sampling
 from specdec_cli.config import Config
-from specdec_cli.errors import EXIT_CHECK_FAILED, SpecdecError
+from specdec_cli.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, SpecdecError
 from specdec_cli.models.pair import Pair, load_pair
 from specdec_cli.decoding.params import SamplingParams
 
@@ -38,8 +43,13 @@ EXACT_TOLERANCE = 1e-6  # max |P(x) - p(x)| allowed for the formula (float32 inp
 MIN_PREFIX_RUNS = 10  # a prefix seen in fewer runs carries too few draws to test
 MAX_PREFIXES = 10  # conditional tests per position: the most frequent prefixes
 SAMPLER_CHUNK = 512  # rows per verify_sampled call: [chunk, 2, V] float32 stays in the low MBs to 200 MB
-# target top-2 logit margins below this are floating-point ties, where either token is a fair argmax
+# logit differences below this are floating-point ties: between the target's top-2 (either is a fair
+# argmax), or between a token and the top-k/top-p cut (the generating forward may have kept it)
 TIE_MARGIN = {torch.float32: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.1}
+BLOCKS = 2  # runs generate BLOCKS * (gamma + 1) tokens: later blocks start from rolled-back caches
+RANK_BINS = 10  # equal bins of [0, 1] for the rank values of check 4 (fewer when draws are few)
+MODEL_CHECKS = ("2 ", "3 ", "4 ")  # the statistical checks on the model pair, by row prefix
+PASS, FAIL, NOT_RUN = "pass", "fail", "not run"
 
 Advance = Callable[[], None]
 Stage = Callable[[str, int], Advance]  # (description, total units) -> call once per unit done
@@ -51,7 +61,11 @@ def no_progress(description: str, total: int) -> Advance:
 
 @dataclass
 class Row:
-    """One line of the report. Statistical rows carry a p-value; Holm then sets threshold and passed."""
+    """One line of the report. Statistical rows carry a p-value; Holm then sets threshold and status.
+    A test that could not run (too few draws) has no p-value and status NOT_RUN: not a pass.
+    tv: the total variation between the draws and the target on the test's bins (averaged over prefix
+    groups with weights n_g / n); tv_bound: above the output's own binned TV at confidence
+    1 - significance, i.e. the test's resolution (see Fit.row)."""
 
     check: str
     what: str
@@ -62,8 +76,12 @@ class Row:
     tv_bound: float | None = None
     threshold: str = ""
     alpha: float | None = None  # the Holm-corrected significance this row's p-value was held to
-    passed: bool = True
+    status: str = PASS  # PASS, FAIL or NOT_RUN
     note: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.status == PASS
 
 
 @dataclass
@@ -74,7 +92,9 @@ class Fit:
     df: int = 0
     n: int = 0
     abs_diff: float = 0.0  # sum over bins of |observed - expected|
+    spread: float = 0.0  # sum over groups of sqrt(df_g n_g): the sampling-error term of the TV bound
     impossible: int = 0  # draws of tokens whose probability is exactly 0
+    ties: int = 0  # draws left out: probability 0, but on the top-k/top-p cut within float noise
 
     def add(self, counts: np.ndarray, probs: np.ndarray) -> None:
         n = int(counts.sum())
@@ -89,19 +109,24 @@ class Fit:
         if len(expect) > 1:  # a single bin holds no information
             self.statistic += float(((observed - expect) ** 2 / expect).sum())
             self.df += len(expect) - 1
+            self.spread += math.sqrt((len(expect) - 1) * n)
 
     def row(self, check: str, what: str, significance: float) -> Row:
+        note = f"{self.ties} draws on the top-k/top-p cut within float noise: ties, left out" if self.ties else ""
         if self.impossible:
             return Row(check, what, self.n, f"{self.impossible} draws of zero-probability tokens",
                        p_value=0.0, note="tokens the target can never produce")
         if self.df == 0:
-            return Row(check, what, self.n, "not testable", note="too few draws to test; raise --samples")
+            return Row(check, what, self.n, "not testable", status=NOT_RUN,
+                       note="too few draws to test; raise --samples")
         tv = self.abs_diff / (2 * self.n)
-        # E[TV(empirical, truth)] <= sqrt(df / n) / 2 (Cauchy-Schwarz), and TV moves by at most 1/n per
-        # draw, so McDiarmid adds sqrt(ln(1/delta) / 2n): an upper bound at confidence 1 - significance
-        bound = tv + 0.5 * math.sqrt(self.df / self.n) + math.sqrt(math.log(1 / significance) / (2 * self.n))
+        # The output's binned TV from the target is at most tv + TV(empirical, output). In group g (df_g + 1
+        # bins, n_g draws) E[TV_g] <= sqrt(df_g / n_g) / 2 (Cauchy-Schwarz); the groups mix with weights
+        # n_g / n, so E <= sum_g sqrt(df_g n_g) / 2n. One draw moves the mixture's TV by at most 1/n, so
+        # McDiarmid adds sqrt(ln(1/significance) / 2n): a bound at confidence 1 - significance.
+        bound = tv + self.spread / (2 * self.n) + math.sqrt(math.log(1 / significance) / (2 * self.n))
         return Row(check, what, self.n, f"chi2={self.statistic:.1f}, df={self.df}",
-                   p_value=float(stats.chi2.sf(self.statistic, self.df)), tv=tv, tv_bound=min(bound, 1.0))
+                   p_value=float(stats.chi2.sf(self.statistic, self.df)), tv=tv, tv_bound=min(bound, 1.0), note=note)
 
 
 def pool_bins(expected: np.ndarray) -> np.ndarray:
@@ -136,7 +161,7 @@ def holm(rows: list[Row], significance: float) -> None:
         row.alpha = significance / (len(tested) - i)
         row.threshold = f"p >= {row.alpha:.2g} (Holm)"
         rejecting = rejecting and row.p_value < row.alpha
-        row.passed = not rejecting
+        row.status = FAIL if rejecting else PASS
 
 
 # ---------------------------------------------------------------- 1. the sampler alone
@@ -200,7 +225,7 @@ def check_sampler(vocab_size: int, params: SamplingParams, draws: int, seed: int
     worst = int(np.argmax(errors))
     rows = [Row("1 sampler", f"exact output distribution from the formula, {len(shapes)} shapes, "
                              f"V={vocab_size}", len(shapes), f"max |P-p| = {errors[worst]:.1e}",
-                threshold=f"<= {EXACT_TOLERANCE:g}", passed=errors[worst] <= EXACT_TOLERANCE,
+                threshold=f"<= {EXACT_TOLERANCE:g}", status=PASS if errors[worst] <= EXACT_TOLERANCE else FAIL,
                 note=f"worst: {shapes[worst][0]}")]
     gen = torch.Generator().manual_seed(seed)
     bonus_fit = Fit()
@@ -216,7 +241,7 @@ def check_sampler(vocab_size: int, params: SamplingParams, draws: int, seed: int
     return rows
 
 
-# ---------------------------------------------------------------- 2, 3. the model pair
+# ---------------------------------------------------------------- 2, 3, 4. the model pair
 
 def next_logits(pair: Pair, context: list[int]) -> torch.Tensor:
     """The target's next-token logits after `context` [V], from one fresh forward over all of it."""
@@ -224,9 +249,37 @@ def next_logits(pair: Pair, context: list[int]) -> torch.Tensor:
     return pair.target.forward(torch.tensor([context], device=pair.device), last_only=True).logits[0, -1]
 
 
-def target_distribution(pair: Pair, context: list[int], params: SamplingParams) -> np.ndarray:
-    """The exact warped next-token distribution of the target after `context`, float64."""
-    return sampling.warp(next_logits(pair, context), params).double().cpu().numpy()
+def tie_margin(pair: Pair) -> float:
+    return TIE_MARGIN.get(pair.dtype, 1e-3)
+
+
+def at_cut(logits: torch.Tensor, params: SamplingParams, token: int, margin: float) -> bool:
+    """Whether `token`, which warp drops from the reference `logits` [V], lies on the top-k/top-p cut
+    within float noise (`margin`, in logits): the generating forward, whose logits differ by such noise,
+    may have kept it, so drawing it is a tie, not evidence of a bug."""
+    kept = sampling.warp(logits, params) > 0
+    if logits[token] >= logits[kept].min() - margin:  # level with the kth largest, or the nucleus's last
+        return True
+    if params.top_p >= 1:
+        return False
+    # the first token past the nucleus is kept when the mass before it comes out just under top_p;
+    # logit noise `margin` moves each probability by a factor of about 1 +- 2 margin / T
+    top_k_only = sampling.warp(logits, replace(params, top_p=1.0))
+    first_out = int(top_k_only.masked_fill(kept, 0).argmax())
+    return (token == first_out and float(top_k_only[token]) > 0
+            and float(top_k_only[kept].sum()) < params.top_p + 2 * margin / params.temperature)
+
+
+def add_draws(fit: Fit, pair: Pair, context: list[int], params: SamplingParams, counts: np.ndarray) -> None:
+    """Add the tokens drawn after `context` (counts [V]) against the target's exact warped distribution
+    there; draws of a token it excludes only by float noise at the cut are ties, left out."""
+    logits = next_logits(pair, context)
+    probs = sampling.warp(logits, params).double().cpu().numpy()
+    for token in np.flatnonzero((counts > 0) & (probs == 0)):
+        if at_cut(logits, params, int(token), tie_margin(pair)):
+            fit.ties += int(counts[token])
+            counts[token] = 0
+    fit.add(counts, probs)
 
 
 @dataclass
@@ -237,13 +290,14 @@ class Runs:
 
 
 def speculative_runs(pair: Pair, prompt_ids: list[int], params: SamplingParams, runs: int, seed: int,
-                     advance: Advance) -> Runs:
-    """`runs` independent speculative generations of gamma + 1 tokens (seeds seed, seed + 1, ...): the
-    first block drafts the full gamma, so every draft position and the bonus token are exercised."""
+                     blocks: int, advance: Advance) -> Runs:
+    """`runs` independent speculative generations of blocks * (gamma + 1) tokens (seeds seed, seed + 1,
+    ...): the first block drafts the full gamma, so every draft position and the bonus token are
+    exercised, and the next blocks start from caches rolled back after a rejection or a full acceptance."""
     decoder = pair.decoder(params)
     outputs, drafted, accepted = [], 0, 0
     for i in range(runs):
-        result = decoder.generate(prompt_ids, decoder.gamma + 1, seed + i, ignore_eos=True)
+        result = decoder.generate(prompt_ids, blocks * (decoder.gamma + 1), seed + i, ignore_eos=True)
         outputs.append(result.token_ids)
         drafted += sum(s.drafted for s in result.steps)
         accepted += sum(s.accepted for s in result.steps)
@@ -251,33 +305,84 @@ def speculative_runs(pair: Pair, prompt_ids: list[int], params: SamplingParams, 
     return Runs(np.array(outputs), drafted, accepted)
 
 
+def rank_values(pair: Pair, prompt_ids: list[int], tokens: list[int], params: SamplingParams,
+                rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """For one run's tokens x_1..x_k, u_t = P(p(Y) > p(x_t)) + V P(p(Y) = p(x_t)), Y ~ p, the target's
+    exact distribution after the run's own prefix, V ~ U(0, 1). Under exactness each u_t is uniform given
+    the past, so all of them are iid uniform (randomized probability integral transform). Returns u [k],
+    NaN where p(x_t) = 0, and which of those are impossible draws rather than ties at the cut."""
+    pair.target.reset(len(prompt_ids) + len(tokens))
+    context = torch.tensor([prompt_ids + tokens[:-1]], device=pair.device)
+    logits = pair.target.forward(context).logits[0, len(prompt_ids) - 1:]  # [k, V]: one fresh forward
+    probs = sampling.warp(logits, params).double().cpu().numpy()
+    p_x = probs[np.arange(len(tokens)), tokens][:, None]
+    u = np.where(probs > p_x, probs, 0).sum(1) + rng.random(len(tokens)) * np.where(probs == p_x, probs, 0).sum(1)
+    u = u.clip(0, 1)  # float32 probabilities may sum to 1 + 1e-7
+    zero = p_x[:, 0] == 0
+    u[zero] = np.nan
+    impossible = np.zeros(len(tokens), dtype=bool)
+    for t in np.flatnonzero(zero):
+        impossible[t] = not at_cut(logits[t], params, tokens[t], tie_margin(pair))
+    return u, impossible
+
+
+def rank_fit(u: np.ndarray, impossible: np.ndarray) -> Fit:
+    """One chi-square test of the rank values u (NaN: left out) against the uniform, on equal bins."""
+    values = u[~np.isnan(u)]
+    fit = Fit(impossible=int(impossible.sum()), ties=int(np.isnan(u).sum() - impossible.sum()))
+    bins = max(1, min(RANK_BINS, int(len(values) / MIN_EXPECTED)))
+    fit.add(np.histogram(values, bins=bins, range=(0, 1))[0].astype(float), np.ones(bins))
+    return fit
+
+
 def check_model(pair: Pair, prompt_ids: list[int], label: str, params: SamplingParams, runs: int, seed: int,
-                significance: float, stage: Stage = no_progress) -> list[Row]:
-    result = speculative_runs(pair, prompt_ids, params, runs, seed, stage(f"speculative runs, {label}", runs))
-    vocab = pair.target.vocab_size
-    k = result.tokens.shape[1]
-    advance = stage(f"target references, {label}", k)
-    fit = Fit()
-    fit.add(np.bincount(result.tokens[:, 0], minlength=vocab), target_distribution(pair, prompt_ids, params))
-    advance()
-    note = f"{result.accepted}/{result.drafted} draft tokens accepted over the runs"
-    rows = [fit.row("2 first token", f"{label}: token 1 vs the warped target", significance)]
-    rows[0].note = note
-    for position in range(2, k + 1):
-        prefixes = Counter(map(tuple, result.tokens[:, : position - 1].tolist()))
-        fit = Fit()
-        frequent = [(prefix, n) for prefix, n in prefixes.most_common(MAX_PREFIXES) if n >= MIN_PREFIX_RUNS]
-        for prefix, _ in frequent:
-            chosen = (result.tokens[:, : position - 1] == prefix).all(axis=1)
-            counts = np.bincount(result.tokens[chosen, position - 1], minlength=vocab)
-            fit.add(counts, target_distribution(pair, prompt_ids + list(prefix), params))
-        advance()
-        rows.append(fit.row(f"3 position {position}", f"{label}: token {position} given its {len(frequent)} most "
-                                                      f"frequent prefixes (each in >= {MIN_PREFIX_RUNS} runs)", significance))
+                significance: float, stage: Stage = no_progress, blocks: int = BLOCKS) -> list[Row]:
+    """Checks 2-4 on `runs` speculative generations of blocks * (gamma + 1) tokens from `prompt_ids`."""
+    result = speculative_runs(pair, prompt_ids, params, runs, seed, blocks, stage(f"speculative runs, {label}", runs))
+    rows = check_token_runs(pair, prompt_ids, label, params, result.tokens, significance, stage, seed)
+    accepted = f"{result.accepted}/{result.drafted} draft tokens accepted over the runs"
+    rows[0].note = "; ".join(filter(None, [accepted, rows[0].note]))
     return rows
 
 
-# ---------------------------------------------------------------- 4. greedy identity
+def check_token_runs(pair: Pair, prompt_ids: list[int], label: str, params: SamplingParams,
+                     runs: list[list[int]] | np.ndarray, significance: float, stage: Stage = no_progress,
+                     seed: int = 0) -> list[Row]:
+    """Checks 2-4 on independent runs of equally many tokens sampled after `prompt_ids` (rows [runs, k]);
+    check 4 tests them in windows of gamma + 1 positions, so the first is the first block's."""
+    tokens = np.array(runs)
+    vocab, span = pair.target.vocab_size, pair.config.speculation.num_draft_tokens + 1
+    advance = stage(f"target references, {label}", span + len(tokens))
+    fit = Fit()
+    add_draws(fit, pair, prompt_ids, params, np.bincount(tokens[:, 0], minlength=vocab))
+    advance()
+    rows = [fit.row("2 first token", f"{label}: token 1 vs the warped target", significance)]
+    for position in range(2, min(span, tokens.shape[1]) + 1):
+        prefixes = Counter(map(tuple, tokens[:, : position - 1].tolist()))
+        fit = Fit()
+        frequent = [(prefix, n) for prefix, n in prefixes.most_common(MAX_PREFIXES) if n >= MIN_PREFIX_RUNS]
+        for prefix, _ in frequent:
+            chosen = (tokens[:, : position - 1] == prefix).all(axis=1)
+            add_draws(fit, pair, prompt_ids + list(prefix), params,
+                      np.bincount(tokens[chosen, position - 1], minlength=vocab))
+        advance()
+        what = (f"{label}: token {position} given its {len(frequent)} most frequent prefixes "
+                f"(each in >= {MIN_PREFIX_RUNS} runs)")
+        rows.append(fit.row(f"3 position {position}", what, significance))
+    rng = np.random.default_rng(seed)
+    u, impossible = np.zeros(tokens.shape), np.zeros(tokens.shape, dtype=bool)
+    for i, run in enumerate(tokens.tolist()):
+        u[i], impossible[i] = rank_values(pair, prompt_ids, run, params, rng)
+        advance()
+    for start in range(0, tokens.shape[1], span):
+        window = f"{start + 1}-{min(start + span, tokens.shape[1])}"
+        rows.append(rank_fit(u[:, start:start + span], impossible[:, start:start + span]).row(
+            f"4 tokens {window}", f"{label}: every run's tokens {window}, ranked in the target's distribution "
+            "after the run's own prefix (uniform if exact)", significance))
+    return rows
+
+
+# ---------------------------------------------------------------- 5. greedy identity
 
 def check_greedy(pair: Pair, prompt_ids: list[int], label: str, max_new_tokens: int, seed: int,
                  advance: Advance = lambda: None) -> Row:
@@ -287,17 +392,18 @@ def check_greedy(pair: Pair, prompt_ids: list[int], label: str, max_new_tokens: 
     base = pair.decoder(greedy, speculative=False).generate(prompt_ids, max_new_tokens, seed,
                                                             ignore_eos=ignore_eos).token_ids
     advance()
-    tolerance = TIE_MARGIN.get(pair.dtype, 1e-3)
+    tolerance = tie_margin(pair)
     what = f"{label}: speculative greedy == target-only greedy"
     threshold = f"identical, or top-2 margin < {tolerance:g} at the first difference"
     if spec == base:
-        return Row("4 greedy", what, len(base), "identical", threshold=threshold)
+        return Row("5 greedy", what, len(base), "identical", threshold=threshold)
     position = next((i for i, (a, b) in enumerate(zip(spec, base)) if a != b), min(len(spec), len(base)))
     top2 = next_logits(pair, prompt_ids + base[:position]).topk(2).values
     margin = float(top2[0] - top2[1])
     tie = margin < tolerance
-    return Row("4 greedy", what, len(base), f"differs at token {position + 1}, top-2 margin {margin:.2g}",
-               threshold=threshold, passed=tie, note="floating-point tie" if tie else "not a tie: a bug")
+    return Row("5 greedy", what, len(base), f"differs at token {position + 1}, top-2 margin {margin:.2g}",
+               threshold=threshold, status=PASS if tie else FAIL,
+               note="floating-point tie" if tie else "not a tie: a bug")
 
 
 # ---------------------------------------------------------------- all together
@@ -323,7 +429,7 @@ def run_checks(pair: Pair, settings: Settings, stage: Stage = no_progress) -> li
     rows = check_sampler(pair.target.vocab_size, s.params, s.sampler_draws, s.seed, s.significance, stage)
     encoded = [pair.encode(text) for text in s.prompts]
     for ids in encoded:
-        pair.check_fits(ids, max(s.greedy_tokens, pair.config.speculation.num_draft_tokens + 1))
+        pair.check_fits(ids, max(s.greedy_tokens, BLOCKS * (pair.config.speculation.num_draft_tokens + 1)))
     for i, ids in enumerate(encoded):
         rows += check_model(pair, ids, f"prompt {i + 1}", s.params, s.samples, s.seed, s.significance, stage)
     advance = stage("greedy identity", len(encoded))
@@ -367,10 +473,22 @@ def make_settings(pair: Pair, prompts: list[str], samples: int | None, significa
                     prompts=prompts or DEFAULT_PROMPTS)
 
 
+def too_few_ran(rows: list[Row]) -> str | None:
+    """Why the run says nothing, if it does not: none of the statistical tests on the model pair ran, or
+    fewer than half of all of them (too few draws)."""
+    tests = [r for r in rows if r.p_value is not None or r.status == NOT_RUN]
+    ran = [r for r in tests if r.status != NOT_RUN]
+    on_pair = sum(r.check.startswith(MODEL_CHECKS) for r in ran)
+    if on_pair and 2 * len(ran) >= len(tests):
+        return None
+    return f"too few draws to test: {len(ran)} of {len(tests)} statistical checks ran, {on_pair} on the model pair"
+
+
 def verify_distribution(cfg: Config, prompts: list[str], samples: int | None, significance: float,
                         as_json: bool) -> None:
     """Load the pair, run every check with a progress bar on stderr, print the table (or the JSON
-    record), write the record; a failed check raises with EXIT_CHECK_FAILED."""
+    record), write the record; a failed check raises with EXIT_CHECK_FAILED, and too few checks run (too
+    few draws) with EXIT_BAD_INPUT."""
     check_options(samples, significance)
     with display.stderr.status(f"Loading {cfg.target.describe()} and {cfg.draft.describe()}..."):
         pair = load_pair(cfg)
@@ -379,14 +497,17 @@ def verify_distribution(cfg: Config, prompts: list[str], samples: int | None, si
     with display.progress() as bar:
         rows = run_checks(pair, settings, display.progress_stage(bar))
     seconds = time.perf_counter() - start
-    failed = [r for r in rows if not r.passed]
+    count = Counter(r.status for r in rows)
+    failed = [r for r in rows if r.status == FAIL]
+    too_few = too_few_ran(rows)
     env = pair.describe()
     record = {
-        **records.header("verify-distribution", cfg, env), "verdict": "fail" if failed else "pass",
-        "seconds": seconds,
+        **records.header("verify-distribution", cfg, env),
+        "verdict": "fail" if failed else "inconclusive" if too_few else "pass",
+        "seconds": seconds, "summary": {"passed": count[PASS], "failed": count[FAIL], "not_run": count[NOT_RUN]},
         "settings": {**asdict(settings), "gamma": cfg.speculation.num_draft_tokens,
                      "multiplicity": "holm", "min_expected_per_bin": MIN_EXPECTED},
-        "checks": [asdict(r) for r in rows],
+        "checks": [{**asdict(r), "passed": r.passed} for r in rows],  # "passed": for readers of older records
     }
     folder = records.write_record("verify-distribution", cfg.name, record)
     if as_json:
@@ -396,8 +517,10 @@ def verify_distribution(cfg: Config, prompts: list[str], samples: int | None, si
                  f"tokens, {settings.samples} runs per prompt, {settings.sampler_draws} sampler draws per shape, "
                  f"significance {significance:g} (Holm over {sum(r.alpha is not None for r in rows)} tests)")
         display.stdout.print(display.verification_table(rows, title, display.environment_caption(env)))
-        display.stderr.print(f"{len(rows) - len(failed)}/{len(rows)} checks passed in {seconds:.0f} s. "
-                             f"Record: {folder / 'record.json'}")
+        display.stderr.print(f"{count[PASS]} passed, {count[FAIL]} failed, {count[NOT_RUN]} not run in "
+                             f"{seconds:.0f} s. Record: {folder / 'record.json'}")
     if failed:
         raise SpecdecError(f"{len(failed)} check(s) failed: " + "; ".join(f"{r.check} ({r.what})" for r in failed),
                            EXIT_CHECK_FAILED)
+    if too_few:
+        raise SpecdecError(f"{too_few}; raise --samples (was {settings.samples})", EXIT_BAD_INPUT)

@@ -95,7 +95,7 @@ def test_sampled_output_is_the_targets(distilled):
     for prompt_ids in (pair.encode("Hello there"), pair.encode("H")):
         rows = verify.check_model(pair, prompt_ids, "p", params, 300, seed=0, significance=0.01)
         verify.holm(rows, 0.01)
-        assert [r.what for r in rows if not r.passed] == []
+        assert [r.what for r in rows if r.status == verify.FAIL] == []  # a row without draws is NOT RUN, not a pass
         assert verify.check_greedy(pair, prompt_ids, "p", 24, seed=0).passed
 
 

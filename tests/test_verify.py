@@ -8,6 +8,8 @@ seeded, so the verdicts are deterministic.
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -85,10 +87,46 @@ def report_q_at_squared_temperature(monkeypatch) -> None:
     monkeypatch.setattr(ModelDrafter, "propose", broken)
 
 
+def patch_rollback(monkeypatch, forget) -> None:
+    """CachedModel.rollback forgets forget(n) tokens where asked for n (per row, if given a list)."""
+    rollback = CachedModel.rollback
+    monkeypatch.setattr(CachedModel, "rollback", lambda self, n: rollback(
+        self, [forget(count) for count in n] if isinstance(n, list) else forget(n)))
+
+
 def rollback_one_too_many(monkeypatch) -> None:
     """A cache off by one: after a rejection, one accepted token is forgotten as well."""
-    rollback = CachedModel.rollback
-    monkeypatch.setattr(CachedModel, "rollback", lambda self, n: rollback(self, n + 1 if n else 0))
+    patch_rollback(monkeypatch, lambda n: n + 1 if n else 0)
+
+
+def rollback_after_full_acceptance(monkeypatch) -> None:
+    """A cache that, when a block accepted every draft (nothing to roll back), forgets a token anyway:
+    only the blocks after it see the damage."""
+    patch_rollback(monkeypatch, lambda n: n or 1)
+
+
+def misreport_q_after_the_first_block(monkeypatch) -> None:
+    """The draft reports q warped at T^2 from its second proposal of a sequence on: the first block,
+    all that one block of tokens shows, is exact."""
+    start, propose = ModelDrafter.start, ModelDrafter.propose
+
+    def counting_start(self, *args):
+        self.proposals = 0
+        start(self, *args)
+
+    def broken(self, gamma, params, generator):
+        tokens, q = propose(self, gamma, params, generator)
+        self.proposals += 1
+        return tokens, q if self.proposals == 1 else (q.log() / params.temperature).softmax(-1)
+
+    monkeypatch.setattr(ModelDrafter, "start", counting_start)
+    monkeypatch.setattr(ModelDrafter, "propose", broken)
+
+
+def warp_without_top_k(monkeypatch) -> None:
+    """The engine warps the target's logits without top-k: it emits tokens the target never would."""
+    warp = sampling.warp
+    monkeypatch.setattr(engine, "warp", lambda logits, params: warp(logits, replace(params, top_k=0)))
 
 
 # ---------------------------------------------------------------- statistics
@@ -121,6 +159,41 @@ def test_fit_passes_exact_draws_and_fails_shifted_or_impossible_ones():
     impossible = verify.Fit()
     impossible.add(np.array([5, 3, 1, 1, 1]), probs)
     assert impossible.row("t", "impossible", SIGNIFICANCE).p_value == 0.0
+
+
+def test_a_fit_without_a_degree_of_freedom_is_not_run_not_passed():
+    fit = verify.Fit()
+    fit.add(np.array([2, 1, 0]), np.array([0.5, 0.3, 0.2]))  # 3 draws: a single pooled bin
+    rows = [fit.row("t", "few", SIGNIFICANCE)]
+    verify.holm(rows, SIGNIFICANCE)
+    assert rows[0].status == verify.NOT_RUN and not rows[0].passed and rows[0].p_value is None
+
+
+def test_tv_bound_mixes_the_groups_own_bounds():
+    # 1000 draws on 2 bins and 20 on 4: the sampling term is sum_g sqrt(df_g n_g) / 2n, not sqrt(df / n) / 2
+    fit = verify.Fit()
+    fit.add(np.array([480.0, 520.0]), np.array([0.5, 0.5]))
+    fit.add(np.array([5.0, 5, 5, 5]), np.full(4, 0.25))
+    row = fit.row("t", "two groups", SIGNIFICANCE)
+    n = 1020
+    assert row.tv == pytest.approx(40 / (2 * n))
+    expected = row.tv + (math.sqrt(1 * 1000) + math.sqrt(3 * 20)) / (2 * n) + math.sqrt(math.log(100) / (2 * n))
+    assert row.tv_bound == pytest.approx(expected)
+
+
+def test_at_cut_tells_float_ties_from_tokens_outside_the_support():
+    margin = 1e-3
+    logits = torch.tensor([5.0, 4.0, 3.0, 3.0 - 1e-4, 1.0, 0.0])
+    top_k = SamplingParams(1.0, top_k=3)
+    assert verify.at_cut(logits, top_k, 3, margin)  # level with the 3rd largest: either could be kept
+    assert not verify.at_cut(logits, top_k, 4, margin)
+    # nucleus: tokens 0 and 1 hold 0.8 >= top_p, so token 2 is out, but by less than float noise
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    top_p = SamplingParams(1.0, top_p=0.7999)
+    assert sampling.warp(logits, top_p)[2] == 0
+    assert verify.at_cut(logits, top_p, 2, margin)
+    assert not verify.at_cut(logits, top_p, 3, margin)
+    assert not verify.at_cut(logits, SamplingParams(1.0, top_p=0.7), 2, margin)  # out by 0.1 of mass
 
 
 # ---------------------------------------------------------------- 1. the sampler
@@ -164,17 +237,19 @@ def pair(write_config):
     return load_pair(load_config(str(write_config(ONE_THREAD))))
 
 
-def model_rows(pair) -> list[verify.Row]:
-    rows = verify.check_model(pair, pair.encode(PROMPT), "p", PARAMS, RUNS, seed=0, significance=SIGNIFICANCE)
+def model_rows(pair, params: SamplingParams = PARAMS, **blocks) -> list[verify.Row]:
+    rows = verify.check_model(pair, pair.encode(PROMPT), "p", params, RUNS, seed=0, significance=SIGNIFICANCE,
+                              **blocks)
     verify.holm(rows, SIGNIFICANCE)
     return rows
 
 
 def test_model_checks_pass_on_the_real_engine(pair):
     rows = model_rows(pair)
-    assert [r.check for r in rows] == ["2 first token", "3 position 2", "3 position 3", "3 position 4"]
+    assert [r.check for r in rows] == ["2 first token", "3 position 2", "3 position 3", "3 position 4",
+                                       "4 tokens 1-4", "4 tokens 5-8"]
     assert failing(rows) == []
-    assert rows[0].samples == RUNS and all(r.p_value is not None for r in rows)
+    assert rows[0].samples == RUNS and rows[-1].samples == 4 * RUNS and all(r.p_value is not None for r in rows)
 
 
 @pytest.mark.parametrize("inject", [
@@ -185,6 +260,26 @@ def test_model_checks_pass_on_the_real_engine(pair):
 def test_model_checks_fail_on_broken_engines(pair, monkeypatch, inject):
     inject(monkeypatch)
     assert failing(model_rows(pair))
+
+
+@pytest.mark.parametrize("inject", [rollback_after_full_acceptance, misreport_q_after_the_first_block])
+def test_model_checks_catch_a_bug_after_the_first_block(pair, monkeypatch, inject):
+    inject(monkeypatch)
+    assert failing(model_rows(pair, blocks=1)) == []  # the first gamma + 1 tokens are still exact
+    assert failing(model_rows(pair)) == ["p: every run's tokens 5-8, ranked in the target's distribution after "
+                                         "the run's own prefix (uniform if exact)"]
+
+
+def test_model_checks_tell_float_ties_at_the_top_k_cut_from_a_broken_warp(write_config, monkeypatch):
+    # in bfloat16 the cached forward and the fresh reference differ by rounding, so a token level with
+    # the 5th largest logit can be in one top-5 and not the other: a tie, not a failure
+    pair = load_pair(load_config(str(write_config({"runtime": {"dtype": "bfloat16", "threads": 1}}))))
+    top_k = SamplingParams(temperature=0.6, top_k=5)
+    rows = model_rows(pair, top_k)
+    assert failing(rows) == [] and any("ties, left out" in r.note for r in rows)
+    warp_without_top_k(monkeypatch)  # tokens far below the cut: still failures
+    broken = [r for r in model_rows(pair, top_k, blocks=1) if not r.passed]
+    assert any(r.statistic.endswith("draws of zero-probability tokens") for r in broken)
 
 
 def test_greedy_identity_passes_and_catches_a_cache_off_by_one(pair, monkeypatch):
@@ -207,7 +302,8 @@ def test_command_json_record_and_exit_codes(write_config, tmp_path, monkeypatch)
     assert result.exit_code == 0, result.output
     record = json.loads(result.stdout)
     assert record["verdict"] == "pass" and record["settings"]["params"]["temperature"] == 1.0  # greedy config
-    assert {row["check"] for row in record["checks"]} >= {"1 sampler", "2 first token", "4 greedy"}
+    assert {row["check"] for row in record["checks"]} >= {"1 sampler", "2 first token", "4 tokens 5-8", "5 greedy"}
+    assert record["summary"]["failed"] == 0 and record["summary"]["passed"] >= len(record["checks"]) // 2
     assert list((tmp_path / "runs").glob("*-verify-distribution-tiny-test/record.json"))
 
     assert runner.invoke(app, args + ["--temperature", "0"]).exit_code == EXIT_BAD_INPUT
@@ -218,3 +314,17 @@ def test_command_json_record_and_exit_codes(write_config, tmp_path, monkeypatch)
     failed = runner.invoke(app, args)
     assert failed.exit_code == EXIT_CHECK_FAILED
     assert json.loads(failed.stdout)["verdict"] == "fail"
+
+
+def test_command_with_too_few_draws_is_bad_input_not_a_pass(write_config):
+    # 2 runs give no test on the model pair a degree of freedom: those rows are NOT RUN, and the run says nothing
+    config = str(write_config({"sampling": {"temperature": 1.0}, **ONE_THREAD}))
+    args = ["verify-distribution", "-c", config, "--samples", "2", "-p", PROMPT]
+    table = runner.invoke(app, args)
+    assert table.exit_code == EXIT_BAD_INPUT
+    assert "NOT RUN" in table.output and " passed, 0 failed, 6 not run in " in table.output
+    assert table.output.strip().splitlines()[-1].startswith("Error: too few draws to test: ")
+    assert "raise --samples" in table.output
+    record = json.loads(runner.invoke(app, args + ["--json"]).stdout)
+    assert record["verdict"] == "inconclusive" and record["summary"]["not_run"] == 6
+    assert {row["status"] for row in record["checks"] if row["check"].startswith(("2", "3", "4"))} == {"not run"}
