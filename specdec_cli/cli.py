@@ -129,6 +129,7 @@ def benchmark(
 @app.command("verify-distribution", epilog="""Examples:\n
   specdec verify-distribution -c tiny-random\n
   specdec verify-distribution --prompt "Tell me a joke." --samples 300 --temperature 0.7 --top-k 50\n
+  specdec verify-distribution --batch-size 8  # the runs as rows of batches\n
   specdec verify-distribution --json > verify.json  # exit 0: exact; 3: a check failed; 2: bad input""")
 @reports_errors
 def verify_distribution(
@@ -138,6 +139,8 @@ def verify_distribution(
         help="Speculative runs per prompt (default: 1000 for models under 50M parameters, else 150).")] = None,
     significance: Annotated[float, typer.Option(
         help="Family-wise significance of the statistical tests (Holm-corrected).")] = 0.01,
+    batch_size: Annotated[int, typer.Option(
+        min=1, help="Generate the speculative runs as rows of batches of this many (copies of a prompt).")] = 1,
     config: ConfigOpt = None, temperature: TemperatureOpt = None, top_k: TopKOpt = None, top_p: TopPOpt = None,
     seed: SeedOpt = None, num_draft_tokens: GammaOpt = None, max_new_tokens: MaxNewOpt = None,
     device: DeviceOpt = None, dtype: DtypeOpt = None, threads: ThreadsOpt = None, as_json: JsonOpt = False,
@@ -154,7 +157,7 @@ def verify_distribution(
                     sampling__seed=seed, speculation__num_draft_tokens=num_draft_tokens,
                     generation__max_new_tokens=max_new_tokens, runtime__device=device, runtime__dtype=dtype,
                     runtime__threads=threads)
-    run_verification(cfg, prompt or [], samples, significance, as_json)
+    run_verification(cfg, prompt or [], samples, significance, as_json, batch_size)
 
 
 @app.command(epilog="""Examples:\n

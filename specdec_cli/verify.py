@@ -290,18 +290,21 @@ class Runs:
 
 
 def speculative_runs(pair: Pair, prompt_ids: list[int], params: SamplingParams, runs: int, seed: int,
-                     blocks: int, advance: Advance) -> Runs:
-    """`runs` independent speculative generations of blocks * (gamma + 1) tokens (seeds seed, seed + 1,
-    ...): the first block drafts the full gamma, so every draft position and the bonus token are
-    exercised, and the next blocks start from caches rolled back after a rejection or a full acceptance."""
+                     blocks: int, advance: Advance, batch_size: int = 1) -> Runs:
+    """`runs` independent speculative generations of blocks * (gamma + 1) tokens, as rows of batches of
+    `batch_size` copies of the prompt (seeds seed, seed + batch_size, ...): the first block drafts the
+    full gamma, so every draft position and the bonus token are exercised, and the next blocks start
+    from caches rolled back after a rejection or a full acceptance."""
     decoder = pair.decoder(params)
     outputs, drafted, accepted = [], 0, 0
-    for i in range(runs):
-        result = decoder.generate(prompt_ids, blocks * (decoder.gamma + 1), seed + i, ignore_eos=True)
-        outputs.append(result.token_ids)
-        drafted += sum(s.drafted for s in result.steps)
-        accepted += sum(s.accepted for s in result.steps)
-        advance()
+    for start in range(0, runs, batch_size):
+        rows = decoder.generate_batch([prompt_ids] * min(batch_size, runs - start), blocks * (decoder.gamma + 1),
+                                      seed + start, ignore_eos=True)
+        for result in rows:
+            outputs.append(result.token_ids)
+            drafted += sum(s.drafted for s in result.steps)
+            accepted += sum(s.accepted for s in result.steps)
+            advance()
     return Runs(np.array(outputs), drafted, accepted)
 
 
@@ -336,9 +339,11 @@ def rank_fit(u: np.ndarray, impossible: np.ndarray) -> Fit:
 
 
 def check_model(pair: Pair, prompt_ids: list[int], label: str, params: SamplingParams, runs: int, seed: int,
-                significance: float, stage: Stage = no_progress, blocks: int = BLOCKS) -> list[Row]:
+                significance: float, stage: Stage = no_progress, blocks: int = BLOCKS, batch_size: int = 1
+                ) -> list[Row]:
     """Checks 2-4 on `runs` speculative generations of blocks * (gamma + 1) tokens from `prompt_ids`."""
-    result = speculative_runs(pair, prompt_ids, params, runs, seed, blocks, stage(f"speculative runs, {label}", runs))
+    result = speculative_runs(pair, prompt_ids, params, runs, seed, blocks, stage(f"speculative runs, {label}", runs),
+                              batch_size)
     rows = check_token_runs(pair, prompt_ids, label, params, result.tokens, significance, stage, seed)
     accepted = f"{result.accepted}/{result.drafted} draft tokens accepted over the runs"
     rows[0].note = "; ".join(filter(None, [accepted, rows[0].note]))
@@ -417,6 +422,7 @@ class Settings:
     seed: int
     greedy_tokens: int
     prompts: list[str] = field(default_factory=list)
+    batch_size: int = 1  # the speculative runs are rows of batches of this many copies of a prompt
 
 
 def describe_params(params: SamplingParams) -> str:
@@ -431,7 +437,8 @@ def run_checks(pair: Pair, settings: Settings, stage: Stage = no_progress) -> li
     for ids in encoded:
         pair.check_fits(ids, max(s.greedy_tokens, BLOCKS * (pair.config.speculation.num_draft_tokens + 1)))
     for i, ids in enumerate(encoded):
-        rows += check_model(pair, ids, f"prompt {i + 1}", s.params, s.samples, s.seed, s.significance, stage)
+        rows += check_model(pair, ids, f"prompt {i + 1}", s.params, s.samples, s.seed, s.significance, stage,
+                            batch_size=s.batch_size)
     advance = stage("greedy identity", len(encoded))
     rows += [check_greedy(pair, ids, f"prompt {i + 1}", s.greedy_tokens, s.seed, advance)
              for i, ids in enumerate(encoded)]
@@ -463,14 +470,15 @@ def check_options(samples: int | None, significance: float) -> None:
         raise SpecdecError(f"--significance must be in (0, 1), got {significance}")
 
 
-def make_settings(pair: Pair, prompts: list[str], samples: int | None, significance: float) -> Settings:
+def make_settings(pair: Pair, prompts: list[str], samples: int | None, significance: float,
+                  batch_size: int = 1) -> Settings:
     """The distribution checks use the config's sampling settings, at temperature 1 if it is greedy."""
     s = pair.config.sampling
     runs = samples or default_samples(pair)
     return Settings(params=SamplingParams.from_config(s, s.temperature or 1.0), samples=runs,
                     sampler_draws=max(MIN_SAMPLER_DRAWS, SAMPLER_DRAWS_PER_RUN * runs),
                     significance=significance, seed=s.seed, greedy_tokens=pair.config.generation.max_new_tokens,
-                    prompts=prompts or DEFAULT_PROMPTS)
+                    prompts=prompts or DEFAULT_PROMPTS, batch_size=batch_size)
 
 
 def too_few_ran(rows: list[Row]) -> str | None:
@@ -485,14 +493,14 @@ def too_few_ran(rows: list[Row]) -> str | None:
 
 
 def verify_distribution(cfg: Config, prompts: list[str], samples: int | None, significance: float,
-                        as_json: bool) -> None:
+                        as_json: bool, batch_size: int = 1) -> None:
     """Load the pair, run every check with a progress bar on stderr, print the table (or the JSON
     record), write the record; a failed check raises with EXIT_CHECK_FAILED, and too few checks run (too
     few draws) with EXIT_BAD_INPUT."""
     check_options(samples, significance)
     with display.stderr.status(f"Loading {cfg.target.describe()} and {cfg.draft.describe()}..."):
         pair = load_pair(cfg)
-    settings = make_settings(pair, prompts, samples, significance)
+    settings = make_settings(pair, prompts, samples, significance, batch_size)
     start = time.perf_counter()
     with display.progress() as bar:
         rows = run_checks(pair, settings, display.progress_stage(bar))
@@ -514,7 +522,7 @@ def verify_distribution(cfg: Config, prompts: list[str], samples: int | None, si
         print(records.dumps(record))
     else:
         title = (f"{cfg.name}: {describe_params(settings.params)}, {cfg.speculation.num_draft_tokens} draft "
-                 f"tokens, {settings.samples} runs per prompt, {settings.sampler_draws} sampler draws per shape, "
+                 f"tokens, {settings.samples} runs per prompt in batches of {batch_size}, {settings.sampler_draws} sampler draws per shape, "
                  f"significance {significance:g} (Holm over {sum(r.alpha is not None for r in rows)} tests)")
         display.stdout.print(display.verification_table(rows, title, display.environment_caption(env)))
         display.stderr.print(f"{count[PASS]} passed, {count[FAIL]} failed, {count[NOT_RUN]} not run in "

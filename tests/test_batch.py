@@ -13,6 +13,7 @@ from specdec_cli.bench.report import compare_report
 from specdec_cli.bench.summary import summarize_batches
 from specdec_cli.cli import app
 from specdec_cli.config import TinyModel, parse_config
+from specdec_cli.decoding import engine
 from specdec_cli.decoding.engine import SpeculativeDecoder
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.drafters.feature import FeatureDrafter
@@ -157,3 +158,29 @@ def test_compare_matches_batch_size_rows():
 
     table = compare_report(record("a", 1.5), record("b", 0.75), ("A", "B"))
     assert ["batch 4, greedy, γ=2", "speedup", "1.500", "0.750", "0.50×"] in table.rows
+
+
+def read_the_next_rows_count(monkeypatch):
+    """A batch bug: each row keeps as many drafts as the next row accepted."""
+    verify_sampled = engine.verify_sampled
+
+    def broken(*args):
+        num_accepted, next_token = verify_sampled(*args)
+        return num_accepted.roll(1), next_token
+
+    monkeypatch.setattr(engine, "verify_sampled", broken)
+
+
+def test_verify_catches_a_row_reading_another_rows_acceptance(batch_pair, monkeypatch):
+    params = SamplingParams(temperature=0.8)
+    ids = batch_pair.encode("Hello there, how are you?")
+
+    def failures(batch_size):
+        rows = verify.check_model(batch_pair, ids, "p", params, 200, 0, 0.01, batch_size=batch_size)
+        verify.holm(rows, 0.01)
+        return [r.check for r in rows if r.status == verify.FAIL]
+
+    assert failures(4) == []
+    read_the_next_rows_count(monkeypatch)
+    assert failures(1) == []  # one row: its own count is the next row's
+    assert failures(4)  # rows of a batch: the checks fail
