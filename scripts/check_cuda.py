@@ -32,8 +32,10 @@ def run(name: str, command: list[str]) -> tuple[str, bool, float, str]:
 
 def generate_figures(out: str) -> str:
     s = json.loads(out)["stats"]
-    return (f"{s['tokens_per_second']:.1f} tok/s, {s['mean_accepted_length']:.2f} tokens/forward, "
-            f"acceptance {s['acceptance_rate'] or 0:.0%}")
+    return (
+        f"{s['tokens_per_second']:.1f} tok/s, {s['mean_accepted_length']:.2f} tokens/forward, "
+        f"acceptance {s['acceptance_rate'] or 0:.0%}"
+    )
 
 
 def verify_figures(out: str) -> str:
@@ -43,9 +45,12 @@ def verify_figures(out: str) -> str:
 
 def benchmark_figures(out: str) -> str:
     rows = [r for r in json.loads(out)["summary"] if r["group"] == "overall"]
-    return "; ".join(f"T={r['temperature']:g}: {r['baseline_tokens_per_second'][0]:.1f} -> "
-                     f"{r['speculative_tokens_per_second'][0]:.1f} tok/s ({r['speedup'][0]:.2f}x), "
-                     f"{r['mean_accepted_length']:.2f} tokens/forward" for r in rows)
+    return "; ".join(
+        f"T={r['temperature']:g}: {r['baseline_tokens_per_second'][0]:.1f} -> "
+        f"{r['speculative_tokens_per_second'][0]:.1f} tok/s ({r['speedup'][0]:.2f}x), "
+        f"{r['mean_accepted_length']:.2f} tokens/forward"
+        for r in rows
+    )
 
 
 def main() -> int:
@@ -58,12 +63,21 @@ def main() -> int:
     for config, samples, tokens in (("tiny-random", "300", "64"), ("smollm2-draft", "150", "128")):
         common = ["-c", config, "--device", "cuda", "--json"]
         steps += [
-            (f"{config}: generate", SPECDEC + ["generate", *common, "--prompt", "Explain KV caches briefly.",
-                                               "--max-new-tokens", tokens], generate_figures),
-            (f"{config}: verify-distribution", SPECDEC + ["verify-distribution", *common, "--samples", samples],
-             verify_figures),
-            (f"{config}: benchmark", SPECDEC + ["benchmark", *common, "--limit", "1", "--max-new-tokens", tokens],
-             benchmark_figures),
+            (
+                f"{config}: generate",
+                SPECDEC + ["generate", *common, "--prompt", "Explain KV caches briefly.", "--max-new-tokens", tokens],
+                generate_figures,
+            ),
+            (
+                f"{config}: verify-distribution",
+                SPECDEC + ["verify-distribution", *common, "--samples", samples],
+                verify_figures,
+            ),
+            (
+                f"{config}: benchmark",
+                SPECDEC + ["benchmark", *common, "--limit", "1", "--max-new-tokens", tokens],
+                benchmark_figures,
+            ),
         ]
     rows = []
     for name, command, figures in steps:
@@ -73,8 +87,7 @@ def main() -> int:
         if ok and figures is not None:
             detail = figures(out)
         rows.append((name, ok, seconds, detail))
-    print(f"\nspecdec CUDA check: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"CUDA {torch.version.cuda}")
+    print(f"\nspecdec CUDA check: {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
     for name, ok, seconds, detail in rows:
         print(f"{'PASS' if ok else 'FAIL'}  {name:34s} {seconds:6.1f} s  {detail}")
     return 0 if all(ok for _, ok, _, _ in rows) else 1

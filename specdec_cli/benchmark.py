@@ -8,8 +8,15 @@ from dataclasses import asdict
 from specdec_cli import display, records
 from specdec_cli.bench.plan import Mode, Plan
 from specdec_cli.bench.prompts import Prompt
-from specdec_cli.bench.report import (batch_report, category_report, detail_report, environment_caption, markdown_document,
-                                      peer_report, rich_table)
+from specdec_cli.bench.report import (
+    batch_report,
+    category_report,
+    detail_report,
+    environment_caption,
+    markdown_document,
+    peer_report,
+    rich_table,
+)
 from specdec_cli.bench.run import run_batches, run_benchmark
 from specdec_cli.bench.summary import gate_failures, summarize, summarize_batches, summarize_peers
 from specdec_cli.config import Config
@@ -17,13 +24,20 @@ from specdec_cli.errors import EXIT_GATE_FAILED, SpecdecError
 from specdec_cli.models.pair import load_pair
 
 
-def execute(cfg: Config, prompts: list[Prompt], plan: Plan, as_json: bool, min_speedup: float | None,
-            min_accept_length: float | None) -> None:
+def execute(
+    cfg: Config,
+    prompts: list[Prompt],
+    plan: Plan,
+    as_json: bool,
+    min_speedup: float | None,
+    min_accept_length: float | None,
+) -> None:
     with display.stderr.status(f"Loading {cfg.target.describe()} and {cfg.draft.describe()}..."):
         pair = load_pair(cfg)
     caption = None
     if plan.peer:
         from specdec_cli.bench.peers import hf_drafting, peer_caption
+
         plan.peer_drafting, note = hf_drafting(pair)
         caption = peer_caption(plan.peer_drafting, note)
         if note:
@@ -33,8 +47,11 @@ def execute(cfg: Config, prompts: list[Prompt], plan: Plan, as_json: bool, min_s
         task = progress.add_task(f"warm-up ({plan.warmup} per mode)", total=len(prompts) * len(modes))
 
         def on_run(i: int, n: int, prompt: Prompt, mode: Mode) -> None:
-            progress.update(task, completed=i * len(modes) + modes.index(mode),
-                            description=f"prompt {i + 1}/{n} {prompt.id}: {mode.label}")
+            progress.update(
+                task,
+                completed=i * len(modes) + modes.index(mode),
+                description=f"prompt {i + 1}/{n} {prompt.id}: {mode.label}",
+            )
 
         runs, partial = run_benchmark(pair, prompts, plan, on_run)
         progress.update(task, completed=len(runs))
@@ -44,9 +61,11 @@ def execute(cfg: Config, prompts: list[Prompt], plan: Plan, as_json: bool, min_s
             batch_task = progress.add_task("batches", total=len(batched))
 
             def on_batch(size: int, mode: Mode, start: int, n: int) -> None:
-                progress.update(batch_task, completed=batched.index((size, mode)),
-                                description=f"batch size {size}, prompts {start + 1}-{min(start + size, n)}/{n}: "
-                                            f"{mode.label}")
+                progress.update(
+                    batch_task,
+                    completed=batched.index((size, mode)),
+                    description=f"batch size {size}, prompts {start + 1}-{min(start + size, n)}/{n}: {mode.label}",
+                )
 
             batch_runs, partial = run_batches(pair, prompts, plan, on_batch)
             progress.update(batch_task, completed=len(batched))
@@ -54,14 +73,26 @@ def execute(cfg: Config, prompts: list[Prompt], plan: Plan, as_json: bool, min_s
     batch_summary = summarize_batches(runs, batch_runs)
     peers = summarize_peers(runs)
     record = {
-        **records.header("benchmark", cfg, pair.describe()), "partial": partial,
-        "settings": {**asdict(plan), "multi_turn": "every turn counts; each mode feeds back its own answers",
-                     "prompts": len(prompts)},
-        "summary": summary, "peers": peers, "peer_fairness": caption, "batch_summary": batch_summary,
-        "prompt_set": [asdict(p) for p in prompts], "runs": runs, "batch_runs": batch_runs,
+        **records.header("benchmark", cfg, pair.describe()),
+        "partial": partial,
+        "settings": {
+            **asdict(plan),
+            "multi_turn": "every turn counts; each mode feeds back its own answers",
+            "prompts": len(prompts),
+        },
+        "summary": summary,
+        "peers": peers,
+        "peer_fairness": caption,
+        "batch_summary": batch_summary,
+        "prompt_set": [asdict(p) for p in prompts],
+        "runs": runs,
+        "batch_runs": batch_runs,
     }
-    tables = ([category_report(summary), detail_report(summary)] + ([peer_report(peers, caption)] if peers else [])
-              + ([batch_report(batch_summary)] if batch_runs else []))
+    tables = (
+        [category_report(summary), detail_report(summary)]
+        + ([peer_report(peers, caption)] if peers else [])
+        + ([batch_report(batch_summary)] if batch_runs else [])
+    )
     folder = records.write_record("benchmark", cfg.name, record)
     (folder / "report.md").write_text(markdown_document(record, tables))
     if as_json:

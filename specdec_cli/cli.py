@@ -12,138 +12,243 @@ from specdec_cli.bench.plan import choose_prompts, make_plan, parse_list
 from specdec_cli.bench.prompts import load_prompts
 from specdec_cli.bench.report import compare as compare_records
 from specdec_cli.errors import SpecdecError
-from specdec_cli.options import (EXIT_INTERRUPTED, ConfigOpt, DeviceOpt, DtypeOpt, GammaOpt, IgnoreEosOpt, JsonOpt, MaxNewOpt,
-                                 SeedOpt, TemperatureOpt, ThreadsOpt, TopKOpt, TopPOpt, configure,
-                                 read_prompt, reports_errors)
+from specdec_cli.options import (
+    EXIT_INTERRUPTED,
+    ConfigOpt,
+    DeviceOpt,
+    DtypeOpt,
+    GammaOpt,
+    IgnoreEosOpt,
+    JsonOpt,
+    MaxNewOpt,
+    SeedOpt,
+    TemperatureOpt,
+    ThreadsOpt,
+    TopKOpt,
+    TopPOpt,
+    configure,
+    read_prompt,
+    reports_errors,
+)
 
 app = typer.Typer(
-    name="specdec", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    name="specdec",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
     help="Run and measure exact speculative decoding: a draft proposes, the target verifies, the "
-         "output is distributed exactly as the target's own.")
+    "output is distributed exactly as the target's own.",
+)
 
 
 def show_version(value: bool) -> None:
     if value:
         from specdec_cli import __version__
+
         print(f"specdec {__version__}")
         raise typer.Exit()
 
 
 @app.callback()
-def root(version: Annotated[bool, typer.Option("--version", callback=show_version, is_eager=True,
-                                               help="Print the version and exit.")] = False) -> None:
+def root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=show_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
     """Run and measure exact speculative decoding."""
 
 
-@app.command(epilog="""Examples:\n
+@app.command(
+    epilog="""Examples:\n
   specdec generate --prompt "Summarize: ..."\n
   specdec generate -c configs/tiny-random.yaml --prompt "abc" --temperature 0.7 --json\n
   cat question.txt | specdec generate --prompt - --max-new-tokens 64\n
-  specdec generate --prompts prompts.txt --batch-size 4 --json > answers.json""")
+  specdec generate --prompts prompts.txt --batch-size 4 --json > answers.json"""
+)
 @reports_errors
 def generate(
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text; - reads stdin.")] = None,
     prompt_file: Annotated[Optional[Path], typer.Option(help="Read the prompt from a file.")] = None,
-    prompts: Annotated[Optional[Path], typer.Option(
-        help="Many prompts, as benchmark reads them (a prompt per line, JSONL, Spec-Bench), decoded in "
-             "batches; their answers are printed after each other.")] = None,
+    prompts: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="Many prompts, as benchmark reads them (a prompt per line, JSONL, Spec-Bench), decoded in "
+            "batches; their answers are printed after each other."
+        ),
+    ] = None,
     batch_size: Annotated[int, typer.Option(min=1, help="Prompts decoded together (with --prompts).")] = 1,
     config: ConfigOpt = None,
     raw: Annotated[bool, typer.Option("--raw", help="Do not apply the chat template.")] = False,
-    temperature: TemperatureOpt = None, top_k: TopKOpt = None, top_p: TopPOpt = None, seed: SeedOpt = None,
-    num_draft_tokens: GammaOpt = None, max_new_tokens: MaxNewOpt = None, ignore_eos: IgnoreEosOpt = None,
-    device: DeviceOpt = None, dtype: DtypeOpt = None, threads: ThreadsOpt = None, as_json: JsonOpt = False,
+    temperature: TemperatureOpt = None,
+    top_k: TopKOpt = None,
+    top_p: TopPOpt = None,
+    seed: SeedOpt = None,
+    num_draft_tokens: GammaOpt = None,
+    max_new_tokens: MaxNewOpt = None,
+    ignore_eos: IgnoreEosOpt = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    threads: ThreadsOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Generate text with speculative decoding, streaming it (accepted draft tokens in green), then
     show the decoding statistics; with --prompts, decode a prompt file in batches. Flags override the
     config's YAML values."""
-    cfg = configure(config, sampling__temperature=temperature, sampling__top_k=top_k,
-                    sampling__top_p=top_p, sampling__seed=seed,
-                    speculation__num_draft_tokens=num_draft_tokens,
-                    generation__max_new_tokens=max_new_tokens, generation__ignore_eos=ignore_eos,
-                    runtime__device=device, runtime__dtype=dtype, runtime__threads=threads)
+    cfg = configure(
+        config,
+        sampling__temperature=temperature,
+        sampling__top_k=top_k,
+        sampling__top_p=top_p,
+        sampling__seed=seed,
+        speculation__num_draft_tokens=num_draft_tokens,
+        generation__max_new_tokens=max_new_tokens,
+        generation__ignore_eos=ignore_eos,
+        runtime__device=device,
+        runtime__dtype=dtype,
+        runtime__threads=threads,
+    )
     if prompts is not None:
         if prompt is not None or prompt_file is not None:
             raise SpecdecError("give one of --prompt, --prompt-file and --prompts")
         many = load_prompts(prompts)
         from specdec_cli.generate import generate_many  # torch/transformers load only once arguments are fine
+
         return generate_many(cfg, many, raw, batch_size, as_json)
     if batch_size != 1:
         raise SpecdecError("--batch-size needs --prompts (a single prompt is one row)")
     text = read_prompt(prompt, prompt_file)
     from specdec_cli.generate import generate_one
+
     generate_one(cfg, text, raw, as_json)
 
 
-@app.command(epilog="""Examples:\n
+@app.command(
+    epilog="""Examples:\n
   specdec benchmark\n
   specdec benchmark -c configs/tiny-random.yaml --gamma 1,2,4 --temperatures 0,0.7 --repeats 3\n
   specdec benchmark --prompts question.jsonl --category qa --limit 5 --peer hf\n
   specdec benchmark --min-speedup 1.2 --min-accept-length 2 --json > result.json\n
   specdec benchmark --batch-sizes 1,2,4,8 --max-new-tokens 64\n
-  specdec benchmark --compare runs/A runs/B""")
+  specdec benchmark --compare runs/A runs/B"""
+)
 @reports_errors
 def benchmark(
     config: ConfigOpt = None,
-    prompts: Annotated[Optional[Path], typer.Option(
-        help="Spec-Bench question.jsonl, JSONL of {\"prompt\": ...}, or text (a prompt per line) "
-             "(default: the built-in suite, 1 prompt per category).")] = None,
+    prompts: Annotated[
+        Optional[Path],
+        typer.Option(
+            help='Spec-Bench question.jsonl, JSONL of {"prompt": ...}, or text (a prompt per line) '
+            "(default: the built-in suite, 1 prompt per category)."
+        ),
+    ] = None,
     category: Annotated[Optional[str], typer.Option(help="Only prompts of this category.")] = None,
     limit: Annotated[Optional[int], typer.Option(help="At most this many prompts per category.")] = None,
-    gamma: Annotated[Optional[str], typer.Option(
-        "--gamma", "-g", help="Draft lengths to sweep, e.g. 1,2,4 (default: the config's).")] = None,
-    temperatures: Annotated[Optional[str], typer.Option(
-        help="Temperatures, e.g. 0,0.7,1.0 (default: 0 and the config's, 1.0 if it is greedy).")] = None,
-    max_new_tokens: MaxNewOpt = None, ignore_eos: IgnoreEosOpt = None, seed: SeedOpt = None,
+    gamma: Annotated[
+        Optional[str], typer.Option("--gamma", "-g", help="Draft lengths to sweep, e.g. 1,2,4 (default: the config's).")
+    ] = None,
+    temperatures: Annotated[
+        Optional[str],
+        typer.Option(help="Temperatures, e.g. 0,0.7,1.0 (default: 0 and the config's, 1.0 if it is greedy)."),
+    ] = None,
+    max_new_tokens: MaxNewOpt = None,
+    ignore_eos: IgnoreEosOpt = None,
+    seed: SeedOpt = None,
     repeats: Annotated[int, typer.Option(help="Runs per prompt and mode; median and range reported.")] = 1,
     warmup: Annotated[int, typer.Option(help="Unmeasured warm-up generations per mode.")] = 1,
-    peer: Annotated[Optional[str], typer.Option(
-        help="Also measure a peer on the same prompts: hf (transformers' generate(), alone and with its "
-             "assisted generation or prompt lookup).")] = None,
-    batch_sizes: Annotated[Optional[str], typer.Option(
-        help="Also decode the prompts in batches of these sizes, e.g. 2,4,8: throughput, speedup and the "
-             "batch size where speculation stops paying.")] = None,
-    min_speedup: Annotated[Optional[float], typer.Option(
-        help="Exit 4 unless every overall speedup reaches this.")] = None,
-    min_accept_length: Annotated[Optional[float], typer.Option(
-        help="Exit 4 unless every overall mean accepted length reaches this.")] = None,
-    compare: Annotated[Optional[tuple[Path, Path]], typer.Option(
-        help="Show two benchmark records (run folders or record.json) side by side; runs nothing.")] = None,
-    device: DeviceOpt = None, dtype: DtypeOpt = None, threads: ThreadsOpt = None, as_json: JsonOpt = False,
+    peer: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Also measure a peer on the same prompts: hf (transformers' generate(), alone and with its "
+            "assisted generation or prompt lookup)."
+        ),
+    ] = None,
+    batch_sizes: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Also decode the prompts in batches of these sizes, e.g. 2,4,8: throughput, speedup and the "
+            "batch size where speculation stops paying."
+        ),
+    ] = None,
+    min_speedup: Annotated[
+        Optional[float], typer.Option(help="Exit 4 unless every overall speedup reaches this.")
+    ] = None,
+    min_accept_length: Annotated[
+        Optional[float], typer.Option(help="Exit 4 unless every overall mean accepted length reaches this.")
+    ] = None,
+    compare: Annotated[
+        Optional[tuple[Path, Path]],
+        typer.Option(help="Show two benchmark records (run folders or record.json) side by side; runs nothing."),
+    ] = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    threads: ThreadsOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Measure target-only vs speculative decoding on a prompt set, greedy and sampled: tokens/s,
     speedup, acceptance, cost ratio and Leviathan's predicted speedup. Writes runs/<time>-benchmark-<name>/
     with record.json and report.md."""
     if compare:
         return compare_records(*compare, as_json=as_json)
-    cfg = configure(config, sampling__seed=seed, generation__max_new_tokens=max_new_tokens,
-                    generation__ignore_eos=ignore_eos, runtime__device=device, runtime__dtype=dtype,
-                    runtime__threads=threads)
-    plan = make_plan(cfg, parse_list(gamma, int, "--gamma"), parse_list(temperatures, float, "--temperatures"),
-                     repeats, warmup, peer, parse_list(batch_sizes, int, "--batch-sizes"))
+    cfg = configure(
+        config,
+        sampling__seed=seed,
+        generation__max_new_tokens=max_new_tokens,
+        generation__ignore_eos=ignore_eos,
+        runtime__device=device,
+        runtime__dtype=dtype,
+        runtime__threads=threads,
+    )
+    plan = make_plan(
+        cfg,
+        parse_list(gamma, int, "--gamma"),
+        parse_list(temperatures, float, "--temperatures"),
+        repeats,
+        warmup,
+        peer,
+        parse_list(batch_sizes, int, "--batch-sizes"),
+    )
     selected = choose_prompts(prompts, category, limit)
     from specdec_cli.benchmark import execute  # torch/transformers load only once arguments are fine
+
     execute(cfg, selected, plan, as_json, min_speedup, min_accept_length)
 
 
-@app.command("verify-distribution", epilog="""Examples:\n
+@app.command(
+    "verify-distribution",
+    epilog="""Examples:\n
   specdec verify-distribution -c tiny-random\n
   specdec verify-distribution --prompt "Tell me a joke." --samples 300 --temperature 0.7 --top-k 50\n
   specdec verify-distribution --batch-size 8  # the runs as rows of batches\n
-  specdec verify-distribution --json > verify.json  # exit 0: exact; 3: a check failed; 2: bad input""")
+  specdec verify-distribution --json > verify.json  # exit 0: exact; 3: a check failed; 2: bad input""",
+)
 @reports_errors
 def verify_distribution(
-    prompt: Annotated[Optional[list[str]], typer.Option(
-        "--prompt", "-p", help="Prompt text; repeat for several (default: two built-in prompts).")] = None,
-    samples: Annotated[Optional[int], typer.Option(
-        help="Speculative runs per prompt (default: 1000 for models under 50M parameters, else 150).")] = None,
-    significance: Annotated[float, typer.Option(
-        help="Family-wise significance of the statistical tests (Holm-corrected).")] = 0.01,
-    batch_size: Annotated[int, typer.Option(
-        min=1, help="Generate the speculative runs as rows of batches of this many (copies of a prompt).")] = 1,
-    config: ConfigOpt = None, temperature: TemperatureOpt = None, top_k: TopKOpt = None, top_p: TopPOpt = None,
-    seed: SeedOpt = None, num_draft_tokens: GammaOpt = None, max_new_tokens: MaxNewOpt = None,
-    device: DeviceOpt = None, dtype: DtypeOpt = None, threads: ThreadsOpt = None, as_json: JsonOpt = False,
+    prompt: Annotated[
+        Optional[list[str]],
+        typer.Option("--prompt", "-p", help="Prompt text; repeat for several (default: two built-in prompts)."),
+    ] = None,
+    samples: Annotated[
+        Optional[int],
+        typer.Option(help="Speculative runs per prompt (default: 1000 for models under 50M parameters, else 150)."),
+    ] = None,
+    significance: Annotated[
+        float, typer.Option(help="Family-wise significance of the statistical tests (Holm-corrected).")
+    ] = 0.01,
+    batch_size: Annotated[
+        int,
+        typer.Option(min=1, help="Generate the speculative runs as rows of batches of this many (copies of a prompt)."),
+    ] = 1,
+    config: ConfigOpt = None,
+    temperature: TemperatureOpt = None,
+    top_k: TopKOpt = None,
+    top_p: TopPOpt = None,
+    seed: SeedOpt = None,
+    num_draft_tokens: GammaOpt = None,
+    max_new_tokens: MaxNewOpt = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    threads: ThreadsOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Check, with statistics, that speculative output is distributed exactly as the target's: the
     sampler on synthetic (p, q) pairs, the first and deeper tokens of many seeded runs, and greedy
@@ -153,44 +258,79 @@ def verify_distribution(
 
     if temperature == 0:
         raise SpecdecError("the distribution checks need --temperature > 0 (greedy identity always runs)")
-    cfg = configure(config, sampling__temperature=temperature, sampling__top_k=top_k, sampling__top_p=top_p,
-                    sampling__seed=seed, speculation__num_draft_tokens=num_draft_tokens,
-                    generation__max_new_tokens=max_new_tokens, runtime__device=device, runtime__dtype=dtype,
-                    runtime__threads=threads)
+    cfg = configure(
+        config,
+        sampling__temperature=temperature,
+        sampling__top_k=top_k,
+        sampling__top_p=top_p,
+        sampling__seed=seed,
+        speculation__num_draft_tokens=num_draft_tokens,
+        generation__max_new_tokens=max_new_tokens,
+        runtime__device=device,
+        runtime__dtype=dtype,
+        runtime__threads=threads,
+    )
     run_verification(cfg, prompt or [], samples, significance, as_json, batch_size)
 
 
-@app.command(epilog="""Examples:\n
+@app.command(
+    epilog="""Examples:\n
   specdec distill --out drafts/my-draft\n
-  specdec distill -c configs/my-target.yaml --out drafts/x --prompts prompts.txt --steps 500 --layers 2""")
+  specdec distill -c configs/my-target.yaml --out drafts/x --prompts prompts.txt --steps 500 --layers 2"""
+)
 @reports_errors
 def distill(
     out: Annotated[Path, typer.Option(help="Folder for the draft; an unfinished run there resumes.")],
     config: ConfigOpt = None,
-    prompts: Annotated[Optional[Path], typer.Option(
-        help="Training prompts (text, JSONL or Spec-Bench JSONL) (default: the built-in training set).")] = None,
+    prompts: Annotated[
+        Optional[Path],
+        typer.Option(help="Training prompts (text, JSONL or Spec-Bench JSONL) (default: the built-in training set)."),
+    ] = None,
     layers: Annotated[int, typer.Option(min=1, help="Decoder layers of the draft.")] = 1,
-    draft_steps: Annotated[int, typer.Option(
-        min=1, help="Draft positions trained: the 1st reads the target's states, later ones the draft's own.")] = 3,
-    vocab: Annotated[int, typer.Option(min=1, help="Tokens the draft's head scores (the ones with the most "
-                                               "target probability in the corpus); the rest it never proposes.")] = 8192,
+    draft_steps: Annotated[
+        int,
+        typer.Option(
+            min=1, help="Draft positions trained: the 1st reads the target's states, later ones the draft's own."
+        ),
+    ] = 3,
+    vocab: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Tokens the draft's head scores (the ones with the most "
+            "target probability in the corpus); the rest it never proposes.",
+        ),
+    ] = 8192,
     steps: Annotated[int, typer.Option(min=1, help="Training steps.")] = 3000,
     batch_size: Annotated[int, typer.Option(min=1, help="Answers per step.")] = 8,
     learning_rate: Annotated[float, typer.Option(min=0.0, help="AdamW peak learning rate.")] = 1e-3,
-    answers_per_prompt: Annotated[int, typer.Option(
-        min=0, help="Target answers sampled at temperature 1 per prompt, besides one greedy answer.")] = 4,
-    synthetic_prompts: Annotated[int, typer.Option(
-        min=0, help="More prompts the target writes itself (from its chat template), answered once each.")] = 2048,
+    answers_per_prompt: Annotated[
+        int, typer.Option(min=0, help="Target answers sampled at temperature 1 per prompt, besides one greedy answer.")
+    ] = 4,
+    synthetic_prompts: Annotated[
+        int,
+        typer.Option(min=0, help="More prompts the target writes itself (from its chat template), answered once each."),
+    ] = 2048,
     answer_tokens: Annotated[int, typer.Option(min=1, help="Most tokens per target answer.")] = 192,
     eval_every: Annotated[int, typer.Option(min=1, help="Steps between held-out evaluations.")] = 250,
-    seed: SeedOpt = None, device: DeviceOpt = None,
-    dtype: Annotated[Optional[str], typer.Option(
-        help="Dtype of the target while it writes the corpus (most of the cost); the config's `auto` means "
-             "bfloat16 here.")] = None,
+    seed: SeedOpt = None,
+    device: DeviceOpt = None,
+    dtype: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Dtype of the target while it writes the corpus (most of the cost); the config's `auto` means "
+            "bfloat16 here."
+        ),
+    ] = None,
     threads: ThreadsOpt = None,
-    keep_work: Annotated[bool, typer.Option(
-        "--keep-work", help="Keep OUT/distill-work (corpus, target states) after training, so a retrain with "
-                            "other draft settings skips writing the corpus.")] = False,
+    keep_work: Annotated[
+        bool,
+        typer.Option(
+            "--keep-work",
+            help="Keep OUT/distill-work (corpus, target states) after training, so a retrain with "
+            "other draft settings skips writing the corpus.",
+        ),
+    ] = False,
 ) -> None:
     """Train a small feature draft (EAGLE-style: it reads the target's hidden states) for the config's
     target on text the target writes itself, matching the target's next-token distributions. The
@@ -198,15 +338,23 @@ def distill(
     saved folder holds only its own layers; name it as `draft: {checkpoint: PATH}`."""
     from specdec_cli.bench.prompts import training_prompts
 
-    cfg = configure(config, sampling__seed=seed, runtime__device=device, runtime__dtype=dtype,
-                    runtime__threads=threads)
+    cfg = configure(config, sampling__seed=seed, runtime__device=device, runtime__dtype=dtype, runtime__threads=threads)
     texts = [p.turns[0] for p in (load_prompts(prompts) if prompts else training_prompts())]
     from specdec_cli import distill as distillation  # torch/transformers load only once arguments are fine
 
     settings = distillation.DistillSettings(
-        num_layers=layers, draft_steps=draft_steps, draft_vocab=vocab, answers_per_prompt=answers_per_prompt,
-        synthetic_prompts=synthetic_prompts, answer_tokens=answer_tokens, steps=steps, batch_size=batch_size,
-        learning_rate=learning_rate, eval_every=eval_every, seed=cfg.sampling.seed)
+        num_layers=layers,
+        draft_steps=draft_steps,
+        draft_vocab=vocab,
+        answers_per_prompt=answers_per_prompt,
+        synthetic_prompts=synthetic_prompts,
+        answer_tokens=answer_tokens,
+        steps=steps,
+        batch_size=batch_size,
+        learning_rate=learning_rate,
+        eval_every=eval_every,
+        seed=cfg.sampling.seed,
+    )
     distillation.distill(cfg, texts, settings, out, keep_work)
 
 

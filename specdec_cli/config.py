@@ -144,8 +144,14 @@ def _build(cls: type, data: dict, where: str) -> Any:
         prefix = f"{where}." if where else ""
         names = ", ".join(f"`{prefix}{k}`" for k in unknown)
         raise SpecdecError(f"config: unknown key {names} (known: {', '.join(sorted(fields))})")
-    missing = [f.name for f in dataclasses.fields(cls) if f.name in fields and f.name not in data
-               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.name in fields
+        and f.name not in data
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
     if missing:
         raise SpecdecError(f"config: missing `{missing[0]}`" + (f" in `{where}`" if where else ""))
     kwargs = {k: _convert(v, hints[k], f"{where}.{k}" if where else k) for k, v in data.items()}

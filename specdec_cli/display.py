@@ -43,12 +43,12 @@ class TokenStream:
             self.token_ids.append(token)
             if self.console is None:
                 continue
-            window = self.token_ids[self.prefix_offset:]
-            printed = self.tokenizer.decode(window[:self.read_offset - self.prefix_offset], skip_special_tokens=True)
+            window = self.token_ids[self.prefix_offset :]
+            printed = self.tokenizer.decode(window[: self.read_offset - self.prefix_offset], skip_special_tokens=True)
             text = self.tokenizer.decode(window, skip_special_tokens=True)
             if len(text) <= len(printed) or text.endswith("\ufffd"):
                 continue  # nothing new, or an incomplete UTF-8 sequence: wait for the token that completes it
-            self.console.print(Text(text[len(printed):], style=DRAFT_STYLE if i < num_from_draft else ""), end="")
+            self.console.print(Text(text[len(printed) :], style=DRAFT_STYLE if i < num_from_draft else ""), end="")
             self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
 
     @property
@@ -62,8 +62,10 @@ class TokenStream:
 
 def environment_caption(env: dict) -> str:
     v = env["versions"]
-    return (f"{env['device']} ({env['device_name']}), {env['dtype']}, {env['threads']} threads; "
-            f"torch {v['torch']}, transformers {v['transformers']}")
+    return (
+        f"{env['device']} ({env['device_name']}), {env['dtype']}, {env['threads']} threads; "
+        f"torch {v['torch']}, transformers {v['transformers']}"
+    )
 
 
 def generation_table(stats: dict, env: dict, title: str) -> Table:
@@ -77,13 +79,20 @@ def generation_table(stats: dict, env: dict, title: str) -> Table:
         ("Prefill / decode time", f"{stats['prefill_seconds']:.2f} s / {stats['decode_seconds']:.2f} s"),
         ("Target forward passes", str(stats["target_forwards"])),
         ("Mean accepted length: tokens per target forward, incl. bonus", fmt(stats["mean_accepted_length"])),
-        ("Mean acceptance length as vLLM/SGLang: 1 + accepted / drafting blocks",
-         fmt(stats["vllm_mean_acceptance_length"])),
-        ("Draft acceptance rate", f"{fmt(stats['acceptance_rate'], '.1%')} "
-                                  f"({stats['accepted_draft_tokens']}/{stats['draft_tokens']} drafts)"),
+        (
+            "Mean acceptance length as vLLM/SGLang: 1 + accepted / drafting blocks",
+            fmt(stats["vllm_mean_acceptance_length"]),
+        ),
+        (
+            "Draft acceptance rate",
+            f"{fmt(stats['acceptance_rate'], '.1%')} ({stats['accepted_draft_tokens']}/{stats['draft_tokens']} drafts)",
+        ),
         ("Acceptance by draft position", positions),
-        ("Time drafting / verifying", f"{stats['draft_seconds']:.2f} s / {stats['verify_seconds']:.2f} s "
-                                      f"({fmt(stats['draft_time_share'], '.0%')} drafting)"),
+        (
+            "Time drafting / verifying",
+            f"{stats['draft_seconds']:.2f} s / {stats['verify_seconds']:.2f} s "
+            f"({fmt(stats['draft_time_share'], '.0%')} drafting)",
+        ),
     ]
     for name, value in rows:
         table.add_row(name, value)
@@ -97,9 +106,15 @@ def batch_table(rows: list[dict], overall: dict, env: dict, title: str) -> Table
         table.add_column(name, justify="left" if name == "prompt" else "right")
     for row in rows + [{"prompt_id": "overall", "stats": overall}]:
         s = row["stats"]
-        table.add_row(row["prompt_id"], str(s["new_tokens"]), s["stop_reason"], fmt(s["tokens_per_second"], ".1f"),
-                      fmt(s["mean_accepted_length"]), fmt(s["acceptance_rate"], ".1%"),
-                      style="bold" if row["prompt_id"] == "overall" else None)
+        table.add_row(
+            row["prompt_id"],
+            str(s["new_tokens"]),
+            s["stop_reason"],
+            fmt(s["tokens_per_second"], ".1f"),
+            fmt(s["mean_accepted_length"]),
+            fmt(s["acceptance_rate"], ".1%"),
+            style="bold" if row["prompt_id"] == "overall" else None,
+        )
     return table
 
 
@@ -108,11 +123,23 @@ def progress():
     terminal, and in a log (CI) a plain line now and then."""
     if not stderr.is_terminal:
         return ProgressLines(stderr)
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TimeRemainingColumn(), console=stderr)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=stderr,
+    )
 
 
 class ProgressLines:
@@ -132,15 +159,17 @@ class ProgressLines:
 
     def add_task(self, description: str, total: float, completed: float = 0) -> int:
         now = time.monotonic()
-        self.tasks.append({"description": description, "total": total, "completed": completed,
-                           "started": now, "printed": now})
+        self.tasks.append(
+            {"description": description, "total": total, "completed": completed, "started": now, "printed": now}
+        )
         return len(self.tasks) - 1
 
     def advance(self, task: int, advance: float = 1) -> None:
         self.update(task, advance=advance)
 
-    def update(self, task: int, advance: float | None = None, completed: float | None = None,
-               description: str | None = None) -> None:
+    def update(
+        self, task: int, advance: float | None = None, completed: float | None = None, description: str | None = None
+    ) -> None:
         t = self.tasks[task]
         before = t["completed"]
         t["completed"] = completed if completed is not None else before + (advance or 0)
@@ -149,8 +178,11 @@ class ProgressLines:
         finished = t["completed"] >= t["total"] > before
         if finished or now - t["printed"] >= self.every:
             t["printed"] = now
-            self.console.print(progress_line(t["description"], t["completed"], t["total"], now - t["started"]),
-                               markup=False, highlight=False)
+            self.console.print(
+                progress_line(t["description"], t["completed"], t["total"], now - t["started"]),
+                markup=False,
+                highlight=False,
+            )
 
 
 def progress_line(description: str, done: float, total: float, elapsed: float) -> str:
@@ -166,9 +198,11 @@ def duration(seconds: float) -> str:
 
 def progress_stage(bar):
     """A verify `Stage` that adds one bar per stage: (description, total) -> advance()."""
+
     def stage(description: str, total: int):
         task = bar.add_task(description, total=total)
         return lambda: bar.advance(task)
+
     return stage
 
 

@@ -34,8 +34,8 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from specdec_cli import display, records
 from specdec_cli.config import Config
 from specdec_cli.models.checkpoints import load_model
-from specdec_cli.models.pair import DTYPES, resolve_device
 from specdec_cli.models.feature_draft import feature_inputs, init_draft, own_weights, save_draft, spaced_layers
+from specdec_cli.models.pair import DTYPES, resolve_device
 from specdec_cli.models.tokens import encode_prompt, eos_token_ids, padding_id
 
 WORK = "distill-work"  # subfolder of the output: corpus and training state until training ends
@@ -72,21 +72,31 @@ def corpus_batches(num_prompts: int, answers_per_prompt: int) -> list[list[Job]]
     """Generation batches, each all greedy or all sampled: greedy answers first, then the rest."""
     greedy = [Job(i, True) for i in range(num_prompts)]
     sampled = [Job(i, False) for i in range(num_prompts) for _ in range(answers_per_prompt)]
-    return [jobs[start:start + GENERATION_BATCH]
-            for jobs in (greedy, sampled) for start in range(0, len(jobs), GENERATION_BATCH)]
+    return [
+        jobs[start : start + GENERATION_BATCH]
+        for jobs in (greedy, sampled)
+        for start in range(0, len(jobs), GENERATION_BATCH)
+    ]
 
 
 @torch.inference_mode()
-def build_corpus(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]],
-                 settings: DistillSettings, work: Path) -> list[dict]:
+def build_corpus(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list[int]],
+    settings: DistillSettings,
+    work: Path,
+) -> list[dict]:
     """One dict per answer: prompt ids, answer ids, the target's top-k ids and log-probs at each
     answer position. Written in shards of one generation batch, so a restart keeps what is done:
     first the answers to `prompts`, then the synthetic prompts' (greedy and sampled batches in turn)."""
     pad = padding_id(tokenizer)
     eos = eos_token_ids(target, tokenizer)
     groups = corpus_batches(len(prompts), settings.answers_per_prompt)
-    synthetic = [min(GENERATION_BATCH, settings.synthetic_prompts - start)
-                 for start in range(0, settings.synthetic_prompts, GENERATION_BATCH)]
+    synthetic = [
+        min(GENERATION_BATCH, settings.synthetic_prompts - start)
+        for start in range(0, settings.synthetic_prompts, GENERATION_BATCH)
+    ]
     corpus: list[dict] = []
     with display.progress() as bar:
         task = bar.add_task("Target writes the corpus", total=sum(map(len, groups)) + settings.synthetic_prompts)
@@ -96,11 +106,13 @@ def build_corpus(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pr
                 torch.manual_seed(settings.seed * 1_000_003 + shard)  # deterministic, also on resume
                 if shard < len(groups):
                     group = groups[shard]
-                    answers = answer_batch(target, [prompts[j.prompt_index] for j in group], group[0].greedy,
-                                           pad, eos, settings)
+                    answers = answer_batch(
+                        target, [prompts[j.prompt_index] for j in group], group[0].greedy, pad, eos, settings
+                    )
                 else:
-                    answers = answer_batch(target, synthetic_prompts(target, tokenizer, size, pad, eos),
-                                           shard % 2 == 0, pad, eos, settings)
+                    answers = answer_batch(
+                        target, synthetic_prompts(target, tokenizer, size, pad, eos), shard % 2 == 0, pad, eos, settings
+                    )
                     for answer in answers:
                         answer["synthetic"] = True  # never held out: evaluation stays on the given prompts
                 torch.save(answers, path)
@@ -109,38 +121,55 @@ def build_corpus(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pr
     return corpus
 
 
-def synthetic_prompts(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, count: int, pad: int,
-                      eos: set[int]) -> list[list[int]]:
+def synthetic_prompts(
+    target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, count: int, pad: int, eos: set[int]
+) -> list[list[int]]:
     """`count` user prompts the target writes itself at temperature 1, started from the chat
     template's text before the user's message (from the first token, where there is no template)."""
     if tokenizer.chat_template:
         marker = "\x00prompt\x00"
         text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
-        start = tokenizer.encode(text[:text.index(marker)], add_special_tokens=False)
+        start = tokenizer.encode(text[: text.index(marker)], add_special_tokens=False)
     else:
         start = [tokenizer.bos_token_id if tokenizer.bos_token_id is not None else pad]
     input_ids = torch.tensor([start] * count, device=target.device)
-    out = target.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True,
-                          temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=PROMPT_TOKENS, pad_token_id=pad)
+    out = target.generate(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=PROMPT_TOKENS,
+        pad_token_id=pad,
+    )
     prompts = []
-    for row in out[:, len(start):].tolist():
+    for row in out[:, len(start) :].tolist():
         ends = [i for i, t in enumerate(row) if t in eos]
-        text = tokenizer.decode(row[:ends[0]] if ends else row, skip_special_tokens=True).strip()
+        text = tokenizer.decode(row[: ends[0]] if ends else row, skip_special_tokens=True).strip()
         if text:
             prompts.append(encode_prompt(tokenizer, text))
     return prompts or [start]  # never an empty batch: a prompt that is only the template's start will do
 
 
-def answer_batch(target: PreTrainedModel, prompts: list[list[int]], greedy: bool, pad: int, eos: set[int],
-                 settings: DistillSettings) -> list[dict]:
+def answer_batch(
+    target: PreTrainedModel, prompts: list[list[int]], greedy: bool, pad: int, eos: set[int], settings: DistillSettings
+) -> list[dict]:
     width = max(map(len, prompts))
     # left padding, so every answer starts right after its prompt
     input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompts], device=target.device)
     mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts], device=target.device)
     sampling = {} if greedy else {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
-    out = target.generate(input_ids=input_ids, attention_mask=mask, do_sample=not greedy, **sampling,
-                          max_new_tokens=settings.answer_tokens, pad_token_id=pad,
-                          return_dict_in_generate=True, output_logits=True)
+    out = target.generate(
+        input_ids=input_ids,
+        attention_mask=mask,
+        do_sample=not greedy,
+        **sampling,
+        max_new_tokens=settings.answer_tokens,
+        pad_token_id=pad,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
     # the raw (unwarped) distribution that produced each answer token
     top = [step.float().log_softmax(-1).topk(settings.top_k, dim=-1) for step in out.logits]
     top_logp = torch.stack([t.values for t in top], dim=1)  # [batch, steps, k]
@@ -150,8 +179,15 @@ def answer_batch(target: PreTrainedModel, prompts: list[list[int]], greedy: bool
         answer = out.sequences[row, width:].tolist()
         ends = [i for i, t in enumerate(answer) if t in eos]  # keep the EOS, drop the padding after it
         n = ends[0] + 1 if ends else len(answer)
-        answers.append({"prompt": ids, "answer": answer[:n], "greedy": greedy,
-                        "top_ids": top_ids[row, :n].int().cpu(), "top_logp": top_logp[row, :n].half().cpu()})
+        answers.append(
+            {
+                "prompt": ids,
+                "answer": answer[:n],
+                "greedy": greedy,
+                "top_ids": top_ids[row, :n].int().cpu(),
+                "top_logp": top_logp[row, :n].half().cpu(),
+            }
+        )
     return answers
 
 
@@ -194,12 +230,15 @@ def add_target_features(target: PreTrainedModel, corpus: list[dict], pad: int, w
         with display.progress() as bar:
             task = bar.add_task("Target hidden states", total=len(corpus))
             for start in range(0, len(corpus), 8):
-                seqs = [a["prompt"] + a["answer"][:-1] for a in corpus[start:start + 8]]
+                seqs = [a["prompt"] + a["answer"][:-1] for a in corpus[start : start + 8]]
                 ids, mask = pad_right(seqs, pad)
-                out = target(input_ids=ids.to(target.device), attention_mask=mask.to(target.device),
-                             output_hidden_states=True, logits_to_keep=1)
-                features += [out.hidden_states[-1][row, :len(seq)].cpu()
-                             for row, seq in enumerate(seqs)]
+                out = target(
+                    input_ids=ids.to(target.device),
+                    attention_mask=mask.to(target.device),
+                    output_hidden_states=True,
+                    logits_to_keep=1,
+                )
+                features += [out.hidden_states[-1][row, : len(seq)].cpu() for row, seq in enumerate(seqs)]
                 bar.update(task, advance=len(seqs))
         torch.save(features, path)
     for answer, state in zip(corpus, features):
@@ -238,12 +277,17 @@ def make_batch(answers: list[dict], pad: int, to_subset: torch.Tensor, device: t
     weights = torch.cat([a["top_logp"] for a in answers]).float().exp() * (subset >= 0)
     greedy = torch.cat([torch.full((len(a["answer"]),), a["greedy"]) for a in answers])
     drafted = cols >= 0
-    return Batch(ids.to(device), features.to(device), mask.to(device),
-                 *(t[drafted].to(device) for t in (rows, cols, subset.clamp(min=0), weights, top_ids[:, 0], greedy)))
+    return Batch(
+        ids.to(device),
+        features.to(device),
+        mask.to(device),
+        *(t[drafted].to(device) for t in (rows, cols, subset.clamp(min=0), weights, top_ids[:, 0], greedy)),
+    )
 
 
-def draft_log_probs(draft: PreTrainedModel, batch: Batch, autocast: torch.dtype | None,
-                    draft_steps: int) -> list[torch.Tensor]:
+def draft_log_probs(
+    draft: PreTrainedModel, batch: Batch, autocast: torch.dtype | None, draft_steps: int
+) -> list[torch.Tensor]:
     """Draft log-probs over its vocabulary subset [N, subset] at the batch's answer positions, as
     the 1st, 2nd, ... token of a draft, attending to exactly what drafting attends to ("training-time
     test", EAGLE-3): the k-th draft token at input j is drafted as if the verified text ended at
@@ -258,15 +302,17 @@ def draft_log_probs(draft: PreTrainedModel, batch: Batch, autocast: torch.dtype 
     log_probs = []
     features = batch.features
     # the borrowed embedding and head are in the target's dtype (bfloat16 for speed): compute in it
-    with torch.autocast(device_type=batch.ids.device.type, dtype=autocast or torch.float32,
-                        enabled=autocast is not None):
+    with torch.autocast(
+        device_type=batch.ids.device.type, dtype=autocast or torch.float32, enabled=autocast is not None
+    ):
         for step in range(draft_steps):
             verified = (behind >= step) & batch.mask[:, None, :].bool()  # [B, query, key] of step 1's inputs
             drafted = [(behind == step - earlier).expand_as(verified) for earlier in range(1, step + 1)]
             mask = torch.cat([verified, *drafted], dim=-1)[:, None]
             inputs = feature_inputs(draft, batch.ids, features)
-            hidden = draft.model(inputs_embeds=inputs, attention_mask=mask, position_ids=positions[None],
-                                 cache=cache, use_cache=True).last_hidden_state
+            hidden = draft.model(
+                inputs_embeds=inputs, attention_mask=mask, position_ids=positions[None], cache=cache, use_cache=True
+            ).last_hidden_state
             log_probs.append(draft.lm_head.scores(hidden[batch.rows, batch.cols]).float().log_softmax(-1))
             # input j's output stands in for the target's state at token j + 1
             features = torch.cat([batch.features[:, :1], hidden[:, :-1].to(features.dtype)], dim=1)
@@ -275,13 +321,18 @@ def draft_log_probs(draft: PreTrainedModel, batch: Batch, autocast: torch.dtype 
 
 def distillation_loss(log_probs: list[torch.Tensor], batch: Batch) -> torch.Tensor:
     """Cross-entropy against the target's top-k probabilities, per position, over draft steps."""
-    return sum(-(batch.weights * q_log.gather(1, batch.targets)).sum(1).mean() for q_log in log_probs
-               ) / len(log_probs)
+    return sum(-(batch.weights * q_log.gather(1, batch.targets)).sum(1).mean() for q_log in log_probs) / len(log_probs)
 
 
 @torch.no_grad()
-def evaluate(draft: PreTrainedModel, heldout: list[dict], pad: int, to_subset: torch.Tensor,
-             autocast: torch.dtype | None, draft_steps: int) -> dict[str, list[float] | float]:
+def evaluate(
+    draft: PreTrainedModel,
+    heldout: list[dict],
+    pad: int,
+    to_subset: torch.Tensor,
+    autocast: torch.dtype | None,
+    draft_steps: int,
+) -> dict[str, list[float] | float]:
     """Per draft step: greedy agreement (draft argmax == target argmax) on greedy answers, and
     expected acceptance at temperature 1, sum_x min(p, q) over the target's top-k, on sampled
     answers; and the share of the target's probability the draft's vocabulary covers."""
@@ -289,7 +340,7 @@ def evaluate(draft: PreTrainedModel, heldout: list[dict], pad: int, to_subset: t
     accept = [0.0] * draft_steps
     greedy_count = sampled_count = covered = 0.0
     for start in range(0, len(heldout), 8):
-        batch = make_batch(heldout[start:start + 8], pad, to_subset, draft.device)
+        batch = make_batch(heldout[start : start + 8], pad, to_subset, draft.device)
         for k, q_log in enumerate(draft_log_probs(draft, batch, autocast, draft_steps)):
             predicted = draft.lm_head.token_ids[q_log.argmax(-1)]
             agree[k] += ((predicted == batch.top1) & batch.greedy).sum().item()
@@ -298,18 +349,25 @@ def evaluate(draft: PreTrainedModel, heldout: list[dict], pad: int, to_subset: t
         greedy_count += batch.greedy.sum().item()
         sampled_count += (~batch.greedy).sum().item()
         covered += batch.weights.sum().item()
-    return {"greedy_agreement": [a / max(greedy_count, 1) for a in agree],
-            "expected_acceptance": [a / max(sampled_count, 1) for a in accept],
-            "vocabulary_coverage": covered / max(greedy_count + sampled_count, 1)}
+    return {
+        "greedy_agreement": [a / max(greedy_count, 1) for a in agree],
+        "expected_acceptance": [a / max(sampled_count, 1) for a in accept],
+        "vocabulary_coverage": covered / max(greedy_count + sampled_count, 1),
+    }
 
 
-def train(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, corpus: list[dict],
-          settings: DistillSettings, work: Path) -> tuple[PreTrainedModel, list[dict]]:
+def train(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    corpus: list[dict],
+    settings: DistillSettings,
+    work: Path,
+) -> tuple[PreTrainedModel, list[dict]]:
     pad = padding_id(tokenizer)
     add_target_features(target, corpus, pad, work)
     torch.manual_seed(settings.seed)
     num_prompts = len({tuple(a["prompt"]) for a in corpus if not a.get("synthetic")})
-    heldout_prompts = {tuple(a["prompt"]) for a in corpus[:max(1, round(num_prompts * settings.heldout_prompts))]}
+    heldout_prompts = {tuple(a["prompt"]) for a in corpus[: max(1, round(num_prompts * settings.heldout_prompts))]}
     heldout = [a for a in corpus if tuple(a["prompt"]) in heldout_prompts]
     training = [a for a in corpus if tuple(a["prompt"]) not in heldout_prompts]
     vocab_size = target.get_output_embeddings().weight.shape[0]
@@ -321,8 +379,10 @@ def train(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, corpus: l
     trainable = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=settings.learning_rate, weight_decay=0.0)
     warmup = max(1, settings.steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1, (s + 1) / warmup) * 0.5 * (
-        1 + math.cos(math.pi * min(s, settings.steps) / settings.steps)))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: min(1, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, settings.steps) / settings.steps)),
+    )
     log: list[dict] = []
     step = 0
     state_path = work / STATE
@@ -340,14 +400,24 @@ def train(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, corpus: l
         display.stderr.print(format_eval(log[-1]))
 
     if not log:
-        display.stderr.print(f"Corpus: {len(training)} training answers "
-                             f"({sum(len(a['answer']) for a in training)} answer tokens), {len(heldout)} "
-                             f"held out; draft vocabulary {len(token_ids)} of {vocab_size} tokens")
+        display.stderr.print(
+            f"Corpus: {len(training)} training answers "
+            f"({sum(len(a['answer']) for a in training)} answer tokens), {len(heldout)} "
+            f"held out; draft vocabulary {len(token_ids)} of {vocab_size} tokens"
+        )
         evaluation()
 
     def save_state() -> None:
-        torch.save({"draft": own_weights(draft), "optimizer": optimizer.state_dict(),
-                    "schedule": schedule.state_dict(), "step": step, "log": log}, state_path)
+        torch.save(
+            {
+                "draft": own_weights(draft),
+                "optimizer": optimizer.state_dict(),
+                "schedule": schedule.state_dict(),
+                "step": step,
+                "log": log,
+            },
+            state_path,
+        )
 
     stream = batches(training, settings.batch_size, settings.seed, step)
     draft.train()
@@ -377,21 +447,41 @@ def train(target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, corpus: l
 
 def format_eval(entry: dict) -> str:
     loss = f", loss {entry['loss']:.3f}" if "loss" in entry else ""
+
     def per_token(values: list[float]) -> str:
         return " / ".join(f"{v:.3f}" for v in values)
 
-    return (f"step {entry['step']}{loss}: held-out greedy agreement {per_token(entry['greedy_agreement'])}, "
-            f"expected acceptance (T=1) {per_token(entry['expected_acceptance'])} (draft token 1 / 2 ...), "
-            f"vocabulary coverage {entry['vocabulary_coverage']:.3f}")
+    return (
+        f"step {entry['step']}{loss}: held-out greedy agreement {per_token(entry['greedy_agreement'])}, "
+        f"expected acceptance (T=1) {per_token(entry['expected_acceptance'])} (draft token 1 / 2 ...), "
+        f"vocabulary coverage {entry['vocabulary_coverage']:.3f}"
+    )
 
 
-def save(draft: PreTrainedModel, target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path,
-         target_name: str, log: list[dict], settings: DistillSettings) -> None:
-    save_draft(draft, tokenizer, out, {
-        "target": target_name, "borrowed_from_target": ["input embedding", "LM head rows of its vocabulary"],
-        "initialised_from_target_layers": spaced_layers(target.config.num_hidden_layers,
-                                                        draft.config.num_hidden_layers),
-        "vocabulary_size": len(draft.lm_head.token_ids), "settings": vars(settings), "log": log})
+def save(
+    draft: PreTrainedModel,
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    out: Path,
+    target_name: str,
+    log: list[dict],
+    settings: DistillSettings,
+) -> None:
+    save_draft(
+        draft,
+        tokenizer,
+        out,
+        {
+            "target": target_name,
+            "borrowed_from_target": ["input embedding", "LM head rows of its vocabulary"],
+            "initialised_from_target_layers": spaced_layers(
+                target.config.num_hidden_layers, draft.config.num_hidden_layers
+            ),
+            "vocabulary_size": len(draft.lm_head.token_ids),
+            "settings": vars(settings),
+            "log": log,
+        },
+    )
 
 
 def distill(cfg: Config, prompts: list[str], settings: DistillSettings, out: Path, keep_work: bool) -> None:
@@ -409,7 +499,16 @@ def distill(cfg: Config, prompts: list[str], settings: DistillSettings, out: Pat
     save(draft, target, tokenizer, out, cfg.target.describe(), log, settings)
     if not keep_work:
         shutil.rmtree(work)
-    folder = records.write_record("distill", cfg.name, {
-        **records.header("distill", cfg), "out": str(out), "corpus_answers": len(corpus),
-        "corpus_answer_tokens": sum(len(a["answer"]) for a in corpus), "settings": vars(settings), "log": log})
+    folder = records.write_record(
+        "distill",
+        cfg.name,
+        {
+            **records.header("distill", cfg),
+            "out": str(out),
+            "corpus_answers": len(corpus),
+            "corpus_answer_tokens": sum(len(a["answer"]) for a in corpus),
+            "settings": vars(settings),
+            "log": log,
+        },
+    )
     display.stderr.print(f"Draft saved to {out}: name it as `draft: {{checkpoint: {out}}}`. Record: {folder}")

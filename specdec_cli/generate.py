@@ -28,11 +28,21 @@ def generate_one(cfg: Config, text: str, raw: bool, as_json: bool) -> None:
     # with --json the stream only collects tokens, so Ctrl-C can still save what was generated
     stream = display.TokenStream(pair.tokenizer, None if as_json else display.stdout)
     decoder = pair.decoder(SamplingParams.from_config(cfg.sampling))
-    record = {**records.header("generate", cfg, pair.describe()), "prompt": text, "raw": raw,
-              "prompt_ids": prompt_ids, "seed": cfg.sampling.seed}
+    record = {
+        **records.header("generate", cfg, pair.describe()),
+        "prompt": text,
+        "raw": raw,
+        "prompt_ids": prompt_ids,
+        "seed": cfg.sampling.seed,
+    }
     try:
-        result = decoder.generate(prompt_ids, cfg.generation.max_new_tokens, cfg.sampling.seed,
-                                  ignore_eos=cfg.generation.ignore_eos, on_tokens=stream)
+        result = decoder.generate(
+            prompt_ids,
+            cfg.generation.max_new_tokens,
+            cfg.sampling.seed,
+            ignore_eos=cfg.generation.ignore_eos,
+            on_tokens=stream,
+        )
     except KeyboardInterrupt:
         record.update(partial=True, token_ids=stream.token_ids, text=stream.text)
         stream.close()
@@ -59,8 +69,12 @@ def generate_many(cfg: Config, prompts: list[Prompt], raw: bool, batch_size: int
     if any(len(p.turns) > 1 for p in prompts):
         display.stderr.print("Multi-turn prompts: only their first turn is generated (benchmark runs all turns).")
     decoder = pair.decoder(SamplingParams.from_config(cfg.sampling))
-    record = {**records.header("generate", cfg, pair.describe()), "raw": raw, "seed": cfg.sampling.seed,
-              "batch_size": batch_size}
+    record = {
+        **records.header("generate", cfg, pair.describe()),
+        "raw": raw,
+        "seed": cfg.sampling.seed,
+        "batch_size": batch_size,
+    }
     batches: list[list[GenerationResult]] = []
     partial = False
     with display.progress() as bar:
@@ -68,15 +82,30 @@ def generate_many(cfg: Config, prompts: list[Prompt], raw: bool, batch_size: int
         try:
             for start in range(0, len(prompts), batch_size):
                 # a seed per batch (seed + its first row): the same command draws the same tokens again
-                batches.append(decoder.generate_batch(encoded[start:start + batch_size], cfg.generation.max_new_tokens,
-                                                      cfg.sampling.seed + start, ignore_eos=cfg.generation.ignore_eos))
+                batches.append(
+                    decoder.generate_batch(
+                        encoded[start : start + batch_size],
+                        cfg.generation.max_new_tokens,
+                        cfg.sampling.seed + start,
+                        ignore_eos=cfg.generation.ignore_eos,
+                    )
+                )
                 bar.update(task, advance=len(batches[-1]))
         except KeyboardInterrupt:
             partial = True
     results = [r for rows in batches for r in rows]
-    rows = [{"prompt_id": p.id, "category": p.category, "prompt": p.turns[0], "prompt_ids": ids,
-             "text": pair.tokenizer.decode(r.token_ids, skip_special_tokens=True), "token_ids": r.token_ids,
-             "stats": r.stats(decoder.gamma)} for p, ids, r in zip(prompts, encoded, results)]
+    rows = [
+        {
+            "prompt_id": p.id,
+            "category": p.category,
+            "prompt": p.turns[0],
+            "prompt_ids": ids,
+            "text": pair.tokenizer.decode(r.token_ids, skip_special_tokens=True),
+            "token_ids": r.token_ids,
+            "stats": r.stats(decoder.gamma),
+        }
+        for p, ids, r in zip(prompts, encoded, results)
+    ]
     overall = combined(batches).stats(decoder.gamma) if batches else None
     record.update(partial=partial, rows=rows, stats=overall)
     folder = records.write_record("generate", cfg.name, record)
@@ -87,8 +116,11 @@ def generate_many(cfg: Config, prompts: list[Prompt], raw: bool, batch_size: int
             display.stdout.print(f"[bold]── {row['prompt_id']} ({row['category']})[/]")
             display.stdout.print(row["text"], markup=False)
         if overall:
-            display.stderr.print(display.batch_table(rows, overall, record["environment"],
-                                                     title(cfg, decoder.gamma, f", batches of {batch_size}")))
+            display.stderr.print(
+                display.batch_table(
+                    rows, overall, record["environment"], title(cfg, decoder.gamma, f", batches of {batch_size}")
+                )
+            )
     display.stderr.print(f"Record: {folder / 'record.json'}")
     if partial:
         display.stderr.print("Interrupted: the record holds the finished batches (partial: true).")

@@ -16,17 +16,21 @@ from specdec_cli.errors import SpecdecError
 EXIT_INTERRUPTED = 130
 
 # Options shared by every command. A flag overrides the YAML when given, including 0 and false.
-ConfigOpt = Annotated[Optional[str], typer.Option(
-    "--config", "-c", help=f"YAML config: a path, or a name in ./configs/ (default: {DEFAULT_CONFIG}).")]
+ConfigOpt = Annotated[
+    Optional[str],
+    typer.Option("--config", "-c", help=f"YAML config: a path, or a name in ./configs/ (default: {DEFAULT_CONFIG})."),
+]
 TemperatureOpt = Annotated[Optional[float], typer.Option(help="Sampling temperature; 0 is greedy.")]
 TopKOpt = Annotated[Optional[int], typer.Option(help="Keep the k most likely tokens; 0 disables.")]
 TopPOpt = Annotated[Optional[float], typer.Option(help="Nucleus mass in (0, 1]; 1 disables.")]
 SeedOpt = Annotated[Optional[int], typer.Option(help="Random seed (same seed, same tokens).")]
-GammaOpt = Annotated[Optional[int], typer.Option(
-    "--num-draft-tokens", "--gamma", "-g", help="Draft tokens per target forward.")]
+GammaOpt = Annotated[
+    Optional[int], typer.Option("--num-draft-tokens", "--gamma", "-g", help="Draft tokens per target forward.")
+]
 MaxNewOpt = Annotated[Optional[int], typer.Option(help="Most tokens to generate.")]
-IgnoreEosOpt = Annotated[Optional[bool], typer.Option(
-    "--ignore-eos/--stop-at-eos", help="Keep generating past end-of-sequence.")]
+IgnoreEosOpt = Annotated[
+    Optional[bool], typer.Option("--ignore-eos/--stop-at-eos", help="Keep generating past end-of-sequence.")
+]
 DeviceOpt = Annotated[Optional[str], typer.Option(help="auto, cpu, cuda or cuda:N.")]
 DtypeOpt = Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16.")]
 ThreadsOpt = Annotated[Optional[int], typer.Option(help="CPU threads for torch.")]
@@ -60,8 +64,7 @@ def reports_errors(command):
 
 def configure(config: str | None, **overrides) -> Config:
     """Load the YAML and apply flags given as section__key=value (None: not given)."""
-    return apply_overrides(load_config(config),
-                           {key.replace("__", "."): value for key, value in overrides.items()})
+    return apply_overrides(load_config(config), {key.replace("__", "."): value for key, value in overrides.items()})
 
 
 def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:

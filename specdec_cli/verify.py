@@ -32,11 +32,11 @@ import torch
 from scipy import stats
 
 from specdec_cli import display, records
-from specdec_cli.decoding import sampling
 from specdec_cli.config import Config
+from specdec_cli.decoding import sampling
+from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, SpecdecError
 from specdec_cli.models.pair import Pair, load_pair
-from specdec_cli.decoding.params import SamplingParams
 
 MIN_EXPECTED = 5.0  # chi-square needs about 5 expected counts per bin: rarer tokens are pooled
 EXACT_TOLERANCE = 1e-6  # max |P(x) - p(x)| allowed for the formula (float32 inputs, float64 sums)
@@ -114,19 +114,34 @@ class Fit:
     def row(self, check: str, what: str, significance: float) -> Row:
         note = f"{self.ties} draws on the top-k/top-p cut within float noise: ties, left out" if self.ties else ""
         if self.impossible:
-            return Row(check, what, self.n, f"{self.impossible} draws of zero-probability tokens",
-                       p_value=0.0, note="tokens the target can never produce")
+            return Row(
+                check,
+                what,
+                self.n,
+                f"{self.impossible} draws of zero-probability tokens",
+                p_value=0.0,
+                note="tokens the target can never produce",
+            )
         if self.df == 0:
-            return Row(check, what, self.n, "not testable", status=NOT_RUN,
-                       note="too few draws to test; raise --samples")
+            return Row(
+                check, what, self.n, "not testable", status=NOT_RUN, note="too few draws to test; raise --samples"
+            )
         tv = self.abs_diff / (2 * self.n)
         # The output's binned TV from the target is at most tv + TV(empirical, output). In group g (df_g + 1
         # bins, n_g draws) E[TV_g] <= sqrt(df_g / n_g) / 2 (Cauchy-Schwarz); the groups mix with weights
         # n_g / n, so E <= sum_g sqrt(df_g n_g) / 2n. One draw moves the mixture's TV by at most 1/n, so
         # McDiarmid adds sqrt(ln(1/significance) / 2n): a bound at confidence 1 - significance.
         bound = tv + self.spread / (2 * self.n) + math.sqrt(math.log(1 / significance) / (2 * self.n))
-        return Row(check, what, self.n, f"chi2={self.statistic:.1f}, df={self.df}",
-                   p_value=float(stats.chi2.sf(self.statistic, self.df)), tv=tv, tv_bound=min(bound, 1.0), note=note)
+        return Row(
+            check,
+            what,
+            self.n,
+            f"chi2={self.statistic:.1f}, df={self.df}",
+            p_value=float(stats.chi2.sf(self.statistic, self.df)),
+            tv=tv,
+            tv_bound=min(bound, 1.0),
+            note=note,
+        )
 
 
 def pool_bins(expected: np.ndarray) -> np.ndarray:
@@ -166,6 +181,7 @@ def holm(rows: list[Row], significance: float) -> None:
 
 # ---------------------------------------------------------------- 1. the sampler alone
 
+
 def sampler_shapes(vocab_size: int, params: SamplingParams, seed: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """(name, p, q) pairs of the shapes a real run meets, at the configured vocabulary size."""
     gen = torch.Generator().manual_seed(seed)
@@ -178,14 +194,23 @@ def sampler_shapes(vocab_size: int, params: SamplingParams, seed: int) -> list[t
         ("peaked p, peaked q", peaked_p, peaked_q),
         ("flat p, flat q", (0.1 * z1).softmax(-1), (0.1 * z2).softmax(-1)),
         ("peaked p, flat q", peaked_p, (0.1 * z2).softmax(-1)),
-        ("disjoint supports", (3 * z1).masked_fill(~half, -math.inf).softmax(-1),
-         (3 * z2).masked_fill(half, -math.inf).softmax(-1)),
+        (
+            "disjoint supports",
+            (3 * z1).masked_fill(~half, -math.inf).softmax(-1),
+            (3 * z2).masked_fill(half, -math.inf).softmax(-1),
+        ),
         ("q = p", peaked_p, peaked_p.clone()),
         ("one-hot q (n-gram draft)", peaked_p, one_hot),
-        ("top-k 20", sampling.warp(3 * z1, SamplingParams(1.0, top_k=20)),
-         sampling.warp(3 * z2, SamplingParams(1.0, top_k=20))),
-        ("top-p 0.9", sampling.warp(3 * z1, SamplingParams(1.0, top_p=0.9)),
-         sampling.warp(3 * z2, SamplingParams(1.0, top_p=0.9))),
+        (
+            "top-k 20",
+            sampling.warp(3 * z1, SamplingParams(1.0, top_k=20)),
+            sampling.warp(3 * z2, SamplingParams(1.0, top_k=20)),
+        ),
+        (
+            "top-p 0.9",
+            sampling.warp(3 * z1, SamplingParams(1.0, top_p=0.9)),
+            sampling.warp(3 * z2, SamplingParams(1.0, top_p=0.9)),
+        ),
         (f"configured warp ({describe_params(params)})", sampling.warp(3 * z1, params), sampling.warp(3 * z2, params)),
     ]
     return shapes
@@ -199,8 +224,9 @@ def exact_output(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return accepted + (1 - accepted.sum()) * sampling.residual(p, q).double()
 
 
-def sampler_draws(p: torch.Tensor, q: torch.Tensor, bonus: torch.Tensor, draws: int,
-                  gen: torch.Generator) -> tuple[np.ndarray, np.ndarray]:
+def sampler_draws(
+    p: torch.Tensor, q: torch.Tensor, bonus: torch.Tensor, draws: int, gen: torch.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     """Draw a token from q and run `verify_sampled` with gamma = 1, `draws` times. Returns the counts
     of the emitted first token, and of the bonus token over the runs that accepted the draft."""
     vocab = p.shape[-1]
@@ -217,16 +243,24 @@ def sampler_draws(p: torch.Tensor, q: torch.Tensor, bonus: torch.Tensor, draws: 
     return first, after
 
 
-def check_sampler(vocab_size: int, params: SamplingParams, draws: int, seed: int, significance: float,
-                  stage: Stage = no_progress) -> list[Row]:
+def check_sampler(
+    vocab_size: int, params: SamplingParams, draws: int, seed: int, significance: float, stage: Stage = no_progress
+) -> list[Row]:
     shapes = sampler_shapes(vocab_size, params, seed)
     bonus = (3 * torch.randn(vocab_size, generator=torch.Generator().manual_seed(seed + 1))).softmax(-1)
     errors = [float((exact_output(p, q) - p.double()).abs().max()) for _, p, q in shapes]
     worst = int(np.argmax(errors))
-    rows = [Row("1 sampler", f"exact output distribution from the formula, {len(shapes)} shapes, "
-                             f"V={vocab_size}", len(shapes), f"max |P-p| = {errors[worst]:.1e}",
-                threshold=f"<= {EXACT_TOLERANCE:g}", status=PASS if errors[worst] <= EXACT_TOLERANCE else FAIL,
-                note=f"worst: {shapes[worst][0]}")]
+    rows = [
+        Row(
+            "1 sampler",
+            f"exact output distribution from the formula, {len(shapes)} shapes, V={vocab_size}",
+            len(shapes),
+            f"max |P-p| = {errors[worst]:.1e}",
+            threshold=f"<= {EXACT_TOLERANCE:g}",
+            status=PASS if errors[worst] <= EXACT_TOLERANCE else FAIL,
+            note=f"worst: {shapes[worst][0]}",
+        )
+    ]
     gen = torch.Generator().manual_seed(seed)
     bonus_fit = Fit()
     advance = stage("sampler draws", len(shapes))
@@ -242,6 +276,7 @@ def check_sampler(vocab_size: int, params: SamplingParams, draws: int, seed: int
 
 
 # ---------------------------------------------------------------- 2, 3, 4. the model pair
+
 
 def next_logits(pair: Pair, context: list[int]) -> torch.Tensor:
     """The target's next-token logits after `context` [V], from one fresh forward over all of it."""
@@ -266,8 +301,11 @@ def at_cut(logits: torch.Tensor, params: SamplingParams, token: int, margin: flo
     # logit noise `margin` moves each probability by a factor of about 1 +- 2 margin / T
     top_k_only = sampling.warp(logits, replace(params, top_p=1.0))
     first_out = int(top_k_only.masked_fill(kept, 0).argmax())
-    return (token == first_out and float(top_k_only[token]) > 0
-            and float(top_k_only[kept].sum()) < params.top_p + 2 * margin / params.temperature)
+    return (
+        token == first_out
+        and float(top_k_only[token]) > 0
+        and float(top_k_only[kept].sum()) < params.top_p + 2 * margin / params.temperature
+    )
 
 
 def add_draws(fit: Fit, pair: Pair, context: list[int], params: SamplingParams, counts: np.ndarray) -> None:
@@ -289,8 +327,16 @@ class Runs:
     accepted: int = 0
 
 
-def speculative_runs(pair: Pair, prompt_ids: list[int], params: SamplingParams, runs: int, seed: int,
-                     blocks: int, advance: Advance, batch_size: int = 1) -> Runs:
+def speculative_runs(
+    pair: Pair,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    runs: int,
+    seed: int,
+    blocks: int,
+    advance: Advance,
+    batch_size: int = 1,
+) -> Runs:
     """`runs` independent speculative generations of blocks * (gamma + 1) tokens, as rows of batches of
     `batch_size` copies of the prompt (seeds seed, seed + batch_size, ...): the first block drafts the
     full gamma, so every draft position and the bonus token are exercised, and the next blocks start
@@ -298,8 +344,9 @@ def speculative_runs(pair: Pair, prompt_ids: list[int], params: SamplingParams, 
     decoder = pair.decoder(params)
     outputs, drafted, accepted = [], 0, 0
     for start in range(0, runs, batch_size):
-        rows = decoder.generate_batch([prompt_ids] * min(batch_size, runs - start), blocks * (decoder.gamma + 1),
-                                      seed + start, ignore_eos=True)
+        rows = decoder.generate_batch(
+            [prompt_ids] * min(batch_size, runs - start), blocks * (decoder.gamma + 1), seed + start, ignore_eos=True
+        )
         for result in rows:
             outputs.append(result.token_ids)
             drafted += sum(s.drafted for s in result.steps)
@@ -308,15 +355,16 @@ def speculative_runs(pair: Pair, prompt_ids: list[int], params: SamplingParams, 
     return Runs(np.array(outputs), drafted, accepted)
 
 
-def rank_values(pair: Pair, prompt_ids: list[int], tokens: list[int], params: SamplingParams,
-                rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def rank_values(
+    pair: Pair, prompt_ids: list[int], tokens: list[int], params: SamplingParams, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     """For one run's tokens x_1..x_k, u_t = P(p(Y) > p(x_t)) + V P(p(Y) = p(x_t)), Y ~ p, the target's
     exact distribution after the run's own prefix, V ~ U(0, 1). Under exactness each u_t is uniform given
     the past, so all of them are iid uniform (randomized probability integral transform). Returns u [k],
     NaN where p(x_t) = 0, and which of those are impossible draws rather than ties at the cut."""
     pair.target.reset(len(prompt_ids) + len(tokens))
     context = torch.tensor([prompt_ids + tokens[:-1]], device=pair.device)
-    logits = pair.target.forward(context).logits[0, len(prompt_ids) - 1:]  # [k, V]: one fresh forward
+    logits = pair.target.forward(context).logits[0, len(prompt_ids) - 1 :]  # [k, V]: one fresh forward
     probs = sampling.warp(logits, params).double().cpu().numpy()
     p_x = probs[np.arange(len(tokens)), tokens][:, None]
     u = np.where(probs > p_x, probs, 0).sum(1) + rng.random(len(tokens)) * np.where(probs == p_x, probs, 0).sum(1)
@@ -338,21 +386,38 @@ def rank_fit(u: np.ndarray, impossible: np.ndarray) -> Fit:
     return fit
 
 
-def check_model(pair: Pair, prompt_ids: list[int], label: str, params: SamplingParams, runs: int, seed: int,
-                significance: float, stage: Stage = no_progress, blocks: int = BLOCKS, batch_size: int = 1
-                ) -> list[Row]:
+def check_model(
+    pair: Pair,
+    prompt_ids: list[int],
+    label: str,
+    params: SamplingParams,
+    runs: int,
+    seed: int,
+    significance: float,
+    stage: Stage = no_progress,
+    blocks: int = BLOCKS,
+    batch_size: int = 1,
+) -> list[Row]:
     """Checks 2-4 on `runs` speculative generations of blocks * (gamma + 1) tokens from `prompt_ids`."""
-    result = speculative_runs(pair, prompt_ids, params, runs, seed, blocks, stage(f"speculative runs, {label}", runs),
-                              batch_size)
+    result = speculative_runs(
+        pair, prompt_ids, params, runs, seed, blocks, stage(f"speculative runs, {label}", runs), batch_size
+    )
     rows = check_token_runs(pair, prompt_ids, label, params, result.tokens, significance, stage, seed)
     accepted = f"{result.accepted}/{result.drafted} draft tokens accepted over the runs"
     rows[0].note = "; ".join(filter(None, [accepted, rows[0].note]))
     return rows
 
 
-def check_token_runs(pair: Pair, prompt_ids: list[int], label: str, params: SamplingParams,
-                     runs: list[list[int]] | np.ndarray, significance: float, stage: Stage = no_progress,
-                     seed: int = 0) -> list[Row]:
+def check_token_runs(
+    pair: Pair,
+    prompt_ids: list[int],
+    label: str,
+    params: SamplingParams,
+    runs: list[list[int]] | np.ndarray,
+    significance: float,
+    stage: Stage = no_progress,
+    seed: int = 0,
+) -> list[Row]:
     """Checks 2-4 on independent runs of equally many tokens sampled after `prompt_ids` (rows [runs, k]);
     check 4 tests them in windows of gamma + 1 positions, so the first is the first block's."""
     tokens = np.array(runs)
@@ -368,11 +433,14 @@ def check_token_runs(pair: Pair, prompt_ids: list[int], label: str, params: Samp
         frequent = [(prefix, n) for prefix, n in prefixes.most_common(MAX_PREFIXES) if n >= MIN_PREFIX_RUNS]
         for prefix, _ in frequent:
             chosen = (tokens[:, : position - 1] == prefix).all(axis=1)
-            add_draws(fit, pair, prompt_ids + list(prefix), params,
-                      np.bincount(tokens[chosen, position - 1], minlength=vocab))
+            add_draws(
+                fit, pair, prompt_ids + list(prefix), params, np.bincount(tokens[chosen, position - 1], minlength=vocab)
+            )
         advance()
-        what = (f"{label}: token {position} given its {len(frequent)} most frequent prefixes "
-                f"(each in >= {MIN_PREFIX_RUNS} runs)")
+        what = (
+            f"{label}: token {position} given its {len(frequent)} most frequent prefixes "
+            f"(each in >= {MIN_PREFIX_RUNS} runs)"
+        )
         rows.append(fit.row(f"3 position {position}", what, significance))
     rng = np.random.default_rng(seed)
     u, impossible = np.zeros(tokens.shape), np.zeros(tokens.shape, dtype=bool)
@@ -381,21 +449,31 @@ def check_token_runs(pair: Pair, prompt_ids: list[int], label: str, params: Samp
         advance()
     for start in range(0, tokens.shape[1], span):
         window = f"{start + 1}-{min(start + span, tokens.shape[1])}"
-        rows.append(rank_fit(u[:, start:start + span], impossible[:, start:start + span]).row(
-            f"4 tokens {window}", f"{label}: every run's tokens {window}, ranked in the target's distribution "
-            "after the run's own prefix (uniform if exact)", significance))
+        rows.append(
+            rank_fit(u[:, start : start + span], impossible[:, start : start + span]).row(
+                f"4 tokens {window}",
+                f"{label}: every run's tokens {window}, ranked in the target's distribution "
+                "after the run's own prefix (uniform if exact)",
+                significance,
+            )
+        )
     return rows
 
 
 # ---------------------------------------------------------------- 5. greedy identity
 
-def check_greedy(pair: Pair, prompt_ids: list[int], label: str, max_new_tokens: int, seed: int,
-                 advance: Advance = lambda: None) -> Row:
+
+def check_greedy(
+    pair: Pair, prompt_ids: list[int], label: str, max_new_tokens: int, seed: int, advance: Advance = lambda: None
+) -> Row:
     greedy = SamplingParams(0.0)
     ignore_eos = pair.config.generation.ignore_eos
     spec = pair.decoder(greedy).generate(prompt_ids, max_new_tokens, seed, ignore_eos=ignore_eos).token_ids
-    base = pair.decoder(greedy, speculative=False).generate(prompt_ids, max_new_tokens, seed,
-                                                            ignore_eos=ignore_eos).token_ids
+    base = (
+        pair.decoder(greedy, speculative=False)
+        .generate(prompt_ids, max_new_tokens, seed, ignore_eos=ignore_eos)
+        .token_ids
+    )
     advance()
     tolerance = tie_margin(pair)
     what = f"{label}: speculative greedy == target-only greedy"
@@ -406,12 +484,19 @@ def check_greedy(pair: Pair, prompt_ids: list[int], label: str, max_new_tokens: 
     top2 = next_logits(pair, prompt_ids + base[:position]).topk(2).values
     margin = float(top2[0] - top2[1])
     tie = margin < tolerance
-    return Row("5 greedy", what, len(base), f"differs at token {position + 1}, top-2 margin {margin:.2g}",
-               threshold=threshold, status=PASS if tie else FAIL,
-               note="floating-point tie" if tie else "not a tie: a bug")
+    return Row(
+        "5 greedy",
+        what,
+        len(base),
+        f"differs at token {position + 1}, top-2 margin {margin:.2g}",
+        threshold=threshold,
+        status=PASS if tie else FAIL,
+        note="floating-point tie" if tie else "not a tie: a bug",
+    )
 
 
 # ---------------------------------------------------------------- all together
+
 
 @dataclass
 class Settings:
@@ -437,11 +522,13 @@ def run_checks(pair: Pair, settings: Settings, stage: Stage = no_progress) -> li
     for ids in encoded:
         pair.check_fits(ids, max(s.greedy_tokens, BLOCKS * (pair.config.speculation.num_draft_tokens + 1)))
     for i, ids in enumerate(encoded):
-        rows += check_model(pair, ids, f"prompt {i + 1}", s.params, s.samples, s.seed, s.significance, stage,
-                            batch_size=s.batch_size)
+        rows += check_model(
+            pair, ids, f"prompt {i + 1}", s.params, s.samples, s.seed, s.significance, stage, batch_size=s.batch_size
+        )
     advance = stage("greedy identity", len(encoded))
-    rows += [check_greedy(pair, ids, f"prompt {i + 1}", s.greedy_tokens, s.seed, advance)
-             for i, ids in enumerate(encoded)]
+    rows += [
+        check_greedy(pair, ids, f"prompt {i + 1}", s.greedy_tokens, s.seed, advance) for i, ids in enumerate(encoded)
+    ]
     holm(rows, s.significance)
     return rows
 
@@ -449,8 +536,10 @@ def run_checks(pair: Pair, settings: Settings, stage: Stage = no_progress) -> li
 # ---------------------------------------------------------------- the command
 
 # Default prompts: a chat turn whose template repeats tokens, so an n-gram drafter finds matches too.
-DEFAULT_PROMPTS = ["Write a short story about a robot who learns to paint.",
-                   "List three facts about the moon, one per line."]
+DEFAULT_PROMPTS = [
+    "Write a short story about a robot who learns to paint.",
+    "List three facts about the moon, one per line.",
+]
 SMALL_MODEL_PARAMETERS = 50_000_000
 # speculative runs per prompt: the tiny pair affords many; a 100M+ model on 2 CPU cores ~150 in 2 min
 DEFAULT_SAMPLES = {"small": 1000, "large": 150}
@@ -470,15 +559,22 @@ def check_options(samples: int | None, significance: float) -> None:
         raise SpecdecError(f"--significance must be in (0, 1), got {significance}")
 
 
-def make_settings(pair: Pair, prompts: list[str], samples: int | None, significance: float,
-                  batch_size: int = 1) -> Settings:
+def make_settings(
+    pair: Pair, prompts: list[str], samples: int | None, significance: float, batch_size: int = 1
+) -> Settings:
     """The distribution checks use the config's sampling settings, at temperature 1 if it is greedy."""
     s = pair.config.sampling
     runs = samples or default_samples(pair)
-    return Settings(params=SamplingParams.from_config(s, s.temperature or 1.0), samples=runs,
-                    sampler_draws=max(MIN_SAMPLER_DRAWS, SAMPLER_DRAWS_PER_RUN * runs),
-                    significance=significance, seed=s.seed, greedy_tokens=pair.config.generation.max_new_tokens,
-                    prompts=prompts or DEFAULT_PROMPTS, batch_size=batch_size)
+    return Settings(
+        params=SamplingParams.from_config(s, s.temperature or 1.0),
+        samples=runs,
+        sampler_draws=max(MIN_SAMPLER_DRAWS, SAMPLER_DRAWS_PER_RUN * runs),
+        significance=significance,
+        seed=s.seed,
+        greedy_tokens=pair.config.generation.max_new_tokens,
+        prompts=prompts or DEFAULT_PROMPTS,
+        batch_size=batch_size,
+    )
 
 
 def too_few_ran(rows: list[Row]) -> str | None:
@@ -492,8 +588,9 @@ def too_few_ran(rows: list[Row]) -> str | None:
     return f"too few draws to test: {len(ran)} of {len(tests)} statistical checks ran, {on_pair} on the model pair"
 
 
-def verify_distribution(cfg: Config, prompts: list[str], samples: int | None, significance: float,
-                        as_json: bool, batch_size: int = 1) -> None:
+def verify_distribution(
+    cfg: Config, prompts: list[str], samples: int | None, significance: float, as_json: bool, batch_size: int = 1
+) -> None:
     """Load the pair, run every check with a progress bar on stderr, print the table (or the JSON
     record), write the record; a failed check raises with EXIT_CHECK_FAILED, and too few checks run (too
     few draws) with EXIT_BAD_INPUT."""
@@ -512,23 +609,34 @@ def verify_distribution(cfg: Config, prompts: list[str], samples: int | None, si
     record = {
         **records.header("verify-distribution", cfg, env),
         "verdict": "fail" if failed else "inconclusive" if too_few else "pass",
-        "seconds": seconds, "summary": {"passed": count[PASS], "failed": count[FAIL], "not_run": count[NOT_RUN]},
-        "settings": {**asdict(settings), "gamma": cfg.speculation.num_draft_tokens,
-                     "multiplicity": "holm", "min_expected_per_bin": MIN_EXPECTED},
+        "seconds": seconds,
+        "summary": {"passed": count[PASS], "failed": count[FAIL], "not_run": count[NOT_RUN]},
+        "settings": {
+            **asdict(settings),
+            "gamma": cfg.speculation.num_draft_tokens,
+            "multiplicity": "holm",
+            "min_expected_per_bin": MIN_EXPECTED,
+        },
         "checks": [{**asdict(r), "passed": r.passed} for r in rows],  # "passed": for readers of older records
     }
     folder = records.write_record("verify-distribution", cfg.name, record)
     if as_json:
         print(records.dumps(record))
     else:
-        title = (f"{cfg.name}: {describe_params(settings.params)}, {cfg.speculation.num_draft_tokens} draft "
-                 f"tokens, {settings.samples} runs per prompt in batches of {batch_size}, {settings.sampler_draws} sampler draws per shape, "
-                 f"significance {significance:g} (Holm over {sum(r.alpha is not None for r in rows)} tests)")
+        title = (
+            f"{cfg.name}: {describe_params(settings.params)}, {cfg.speculation.num_draft_tokens} draft "
+            f"tokens, {settings.samples} runs per prompt in batches of {batch_size}, "
+            f"{settings.sampler_draws} sampler draws per shape, "
+            f"significance {significance:g} (Holm over {sum(r.alpha is not None for r in rows)} tests)"
+        )
         display.stdout.print(display.verification_table(rows, title, display.environment_caption(env)))
-        display.stderr.print(f"{count[PASS]} passed, {count[FAIL]} failed, {count[NOT_RUN]} not run in "
-                             f"{seconds:.0f} s. Record: {folder / 'record.json'}")
+        display.stderr.print(
+            f"{count[PASS]} passed, {count[FAIL]} failed, {count[NOT_RUN]} not run in "
+            f"{seconds:.0f} s. Record: {folder / 'record.json'}"
+        )
     if failed:
-        raise SpecdecError(f"{len(failed)} check(s) failed: " + "; ".join(f"{r.check} ({r.what})" for r in failed),
-                           EXIT_CHECK_FAILED)
+        raise SpecdecError(
+            f"{len(failed)} check(s) failed: " + "; ".join(f"{r.check} ({r.what})" for r in failed), EXIT_CHECK_FAILED
+        )
     if too_few:
         raise SpecdecError(f"{too_few}; raise --samples (was {settings.samples})", EXIT_BAD_INPUT)

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from specdec_cli.config import TinyModel
 from specdec_cli.decoding.cache import CachedModel
 from specdec_cli.models.checkpoints import build_tiny, byte_tokenizer
-from specdec_cli.config import TinyModel
 
 
 @pytest.fixture(autouse=True)

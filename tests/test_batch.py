@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from conftest import TINY_PAIR, cached
 from typer.testing import CliRunner
 
 from specdec_cli import verify
@@ -24,10 +25,12 @@ from specdec_cli.models.checkpoints import build_tiny
 from specdec_cli.models.feature_draft import init_draft
 from specdec_cli.models.pair import load_pair
 
-from conftest import TINY_PAIR, cached
-
-PROMPTS = ["Hi", "The quick brown fox jumps over the lazy dog. The quick brown",
-           "abc abc abc abc", "Once upon a time, in a land far away, there lived"]
+PROMPTS = [
+    "Hi",
+    "The quick brown fox jumps over the lazy dog. The quick brown",
+    "abc abc abc abc",
+    "Once upon a time, in a land far away, there lived",
+]
 GREEDY = SamplingParams()
 runner = CliRunner()
 
@@ -54,9 +57,8 @@ def test_each_row_is_its_prompt_alone(tiny_target, noisy_draft, tokenizer, kind,
     alone = SpeculativeDecoder(cached(tiny_target), None, GREEDY, 1, set())
     expected = [alone.generate(p, 24, 0).token_ids for p in prompts]
     eos = expected[2][3]  # the third row's 4th token ends it early; the other rows go on past it
-    expected = [e[:e.index(eos) + 1] if eos in e else e for e in expected]
-    decoder = SpeculativeDecoder(cached(tiny_target), drafter_of(kind, tiny_target, noisy_draft), GREEDY, gamma,
-                                 {eos})
+    expected = [e[: e.index(eos) + 1] if eos in e else e for e in expected]
+    decoder = SpeculativeDecoder(cached(tiny_target), drafter_of(kind, tiny_target, noisy_draft), GREEDY, gamma, {eos})
     rows = decoder.generate_batch(prompts, 24, 0)
     assert [r.token_ids for r in rows] == expected
     assert rows[2].stop_reason == "eos" and len(rows[2].token_ids) <= 4
@@ -78,8 +80,15 @@ def test_preallocation_is_bounded_by_the_batch(tiny_target, tokenizer):
 
 @pytest.fixture(scope="module")
 def batch_pair():
-    return load_pair(parse_config({**TINY_PAIR, "speculation": {"num_draft_tokens": 2},
-                                   "runtime": {"device": "cpu", "dtype": "float32", "threads": 1}}))
+    return load_pair(
+        parse_config(
+            {
+                **TINY_PAIR,
+                "speculation": {"num_draft_tokens": 2},
+                "runtime": {"device": "cpu", "dtype": "float32", "threads": 1},
+            }
+        )
+    )
 
 
 def row_runs(pair, prompt_ids, params, runs, seed):
@@ -96,8 +105,9 @@ def row_runs(pair, prompt_ids, params, runs, seed):
 def test_sampled_rows_are_distributed_as_the_target(batch_pair):
     params = SamplingParams(temperature=0.8)
     ids = batch_pair.encode(PROMPTS[0])
-    rows = verify.check_token_runs(batch_pair, ids, "batch row", params, row_runs(batch_pair, ids, params, 300, 0),
-                                   0.01)
+    rows = verify.check_token_runs(
+        batch_pair, ids, "batch row", params, row_runs(batch_pair, ids, params, 300, 0), 0.01
+    )
     verify.holm(rows, 0.01)
     assert [r.what for r in rows if not r.passed] == []
 
@@ -118,9 +128,12 @@ def test_generate_decodes_a_prompt_file_in_batches(write_config, tmp_path):
 
 
 def test_benchmark_measures_each_batch_size(write_config):
-    config = str(write_config({"draft": {"tiny": {"seed": 0}}, "generation": {"max_new_tokens": 8, "ignore_eos": True}}))
-    run = runner.invoke(app, ["benchmark", "-c", config, "--batch-sizes", "2,4", "--temperatures", "0",
-                              "--warmup", "0", "--json"])
+    config = str(
+        write_config({"draft": {"tiny": {"seed": 0}}, "generation": {"max_new_tokens": 8, "ignore_eos": True}})
+    )
+    run = runner.invoke(
+        app, ["benchmark", "-c", config, "--batch-sizes", "2,4", "--temperatures", "0", "--warmup", "0", "--json"]
+    )
     assert run.exit_code == 0, run.output
     record = json.loads(run.stdout)
     rows = record["batch_summary"]
@@ -128,22 +141,42 @@ def test_benchmark_measures_each_batch_size(write_config):
     for row in rows:  # the draft is the target: every draft accepted, at every batch size
         assert row["mean_accepted_length"] == 4.0 and row["acceptance_by_position"] == [1.0, 1.0, 1.0]
         assert row["speculative_tokens_per_second_per_sequence"][0] * row["batch_size"] == pytest.approx(
-            row["speculative_tokens_per_second"][0])
+            row["speculative_tokens_per_second"][0]
+        )
     sizes = {len(r["prompt_ids"]) for r in record["batch_runs"] if r["batch_size"] == 4}
     assert sizes == {4, 3}  # 7 built-in prompts: a batch of 4 and one of 3
 
 
 def batch_run(size, gamma, tokens, seconds):
-    return {"batch_size": size, "temperature": 0.0, "gamma": gamma, "prompt_ids": ["a"],
-            "repeats": [{"new_tokens": tokens, "decode_seconds": seconds, "steps": [[gamma, gamma, gamma + 1, 0.1, 0.1]]}]}
+    return {
+        "batch_size": size,
+        "temperature": 0.0,
+        "gamma": gamma,
+        "prompt_ids": ["a"],
+        "repeats": [{"new_tokens": tokens, "decode_seconds": seconds, "steps": [[gamma, gamma, gamma + 1, 0.1, 0.1]]}],
+    }
 
 
 def test_the_crossover_is_the_smallest_batch_size_that_lost():
-    prompt_runs = [{"engine": "specdec", "prompt_id": "a", "category": "c", "temperature": 0.0, "gamma": g,
-                    "repeats": [{"new_tokens": 10, "decode_seconds": s, "steps": [[g, g, g + 1, 0.1, 0.1]]}]}
-                   for g, s in ((0, 1.0), (2, 0.5))]
-    batches = [batch_run(2, 0, 20, 1.0), batch_run(2, 2, 20, 0.8), batch_run(4, 0, 40, 1.0), batch_run(4, 2, 40, 1.25),
-               batch_run(8, 0, 80, 1.0), batch_run(8, 2, 80, 0.9)]
+    prompt_runs = [
+        {
+            "engine": "specdec",
+            "prompt_id": "a",
+            "category": "c",
+            "temperature": 0.0,
+            "gamma": g,
+            "repeats": [{"new_tokens": 10, "decode_seconds": s, "steps": [[g, g, g + 1, 0.1, 0.1]]}],
+        }
+        for g, s in ((0, 1.0), (2, 0.5))
+    ]
+    batches = [
+        batch_run(2, 0, 20, 1.0),
+        batch_run(2, 2, 20, 0.8),
+        batch_run(4, 0, 40, 1.0),
+        batch_run(4, 2, 40, 1.25),
+        batch_run(8, 0, 80, 1.0),
+        batch_run(8, 2, 80, 0.9),
+    ]
     rows = summarize_batches(prompt_runs, batches)
     assert [round(r["speedup"][0], 2) for r in rows] == [2.0, 1.25, 0.8, 1.11]
     assert {r["crossover_batch_size"] for r in rows} == {4}  # 8 won again: the crossover is where it first lost
@@ -151,9 +184,15 @@ def test_the_crossover_is_the_smallest_batch_size_that_lost():
 
 def test_compare_matches_batch_size_rows():
     def record(name, speedup):
-        row = {"batch_size": 4, "temperature": 0.0, "gamma": 2, "baseline_tokens_per_second": [10.0] * 3,
-               "speculative_tokens_per_second": [10.0 * speedup] * 3, "speedup": [speedup] * 3,
-               "mean_accepted_length": 2.0}
+        row = {
+            "batch_size": 4,
+            "temperature": 0.0,
+            "gamma": 2,
+            "baseline_tokens_per_second": [10.0] * 3,
+            "speculative_tokens_per_second": [10.0 * speedup] * 3,
+            "speedup": [speedup] * 3,
+            "mean_accepted_length": 2.0,
+        }
         return {"name": name, "timestamp": "t", "summary": [], "batch_summary": [row]}
 
     table = compare_report(record("a", 1.5), record("b", 0.75), ("A", "B"))

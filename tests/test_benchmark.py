@@ -11,15 +11,15 @@ import yaml
 from typer.testing import CliRunner
 
 from specdec_cli.bench.plan import Plan
+from specdec_cli.bench.prompts import Prompt
 from specdec_cli.bench.run import run_benchmark
 from specdec_cli.bench.summary import gate_failures, summarize, summarize_mode
 from specdec_cli.cli import app
 from specdec_cli.config import TinyModel, parse_config
-from specdec_cli.errors import EXIT_BAD_INPUT, EXIT_GATE_FAILED
 from specdec_cli.decoding.metrics import StepRecord, per_token_acceptance
+from specdec_cli.errors import EXIT_BAD_INPUT, EXIT_GATE_FAILED
 from specdec_cli.models.checkpoints import build_tiny, byte_tokenizer
 from specdec_cli.models.pair import load_pair
-from specdec_cli.bench.prompts import Prompt
 
 # draft identical to the target: every draft token is accepted, greedy or sampled
 SAME_PAIR = {
@@ -72,17 +72,26 @@ def tokens_by_mode(record: dict) -> dict[tuple[str, int], list[int]]:
 @pytest.fixture
 def prompt_file(tmp_path) -> Path:
     path = tmp_path / "questions.jsonl"
-    lines = [{"question_id": 1, "category": "chat", "turns": ["Hello there", "And again"]},
-             {"question_id": 2, "category": "qa", "turns": ["Why?"]}]
+    lines = [
+        {"question_id": 1, "category": "chat", "turns": ["Hello there", "And again"]},
+        {"question_id": 2, "category": "qa", "turns": ["Why?"]},
+    ]
     path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     return path
 
 
 def make_run(prompt_id: str, gamma: int, tps: list[float], steps: list[list], category: str = "c") -> dict:
-    repeats = [{"tokens_per_second": t, "end_to_end_tokens_per_second": t, "prefill_seconds": 0.1,
-                "steps": steps} for t in tps]
-    return {"prompt_id": prompt_id, "category": category, "temperature": 0.0, "gamma": gamma,
-            "engine": "specdec", "repeats": repeats}
+    repeats = [
+        {"tokens_per_second": t, "end_to_end_tokens_per_second": t, "prefill_seconds": 0.1, "steps": steps} for t in tps
+    ]
+    return {
+        "prompt_id": prompt_id,
+        "category": category,
+        "temperature": 0.0,
+        "gamma": gamma,
+        "engine": "specdec",
+        "repeats": repeats,
+    }
 
 
 BASE_STEPS = [[0, 0, 1, 0.0, 0.5]] * 4
@@ -130,9 +139,13 @@ def test_per_token_acceptance_counts_only_tested_positions():
 
 
 def test_summarize_groups_by_category_and_skips_prompts_missing_a_mode():
-    runs = [make_run("a", 0, [10.0], BASE_STEPS, "x"), make_run("a", 4, [20.0], SPEC_STEPS, "x"),
-            make_run("b", 0, [10.0], BASE_STEPS, "y"), make_run("b", 4, [40.0], SPEC_STEPS, "y"),
-            make_run("c", 0, [10.0], BASE_STEPS, "y")]  # interrupted before its speculative run
+    runs = [
+        make_run("a", 0, [10.0], BASE_STEPS, "x"),
+        make_run("a", 4, [20.0], SPEC_STEPS, "x"),
+        make_run("b", 0, [10.0], BASE_STEPS, "y"),
+        make_run("b", 4, [40.0], SPEC_STEPS, "y"),
+        make_run("c", 0, [10.0], BASE_STEPS, "y"),
+    ]  # interrupted before its speculative run
     rows = {r["group"]: r for r in summarize(runs)}
     assert set(rows) == {"x", "y", "overall"}
     assert rows["y"]["prompts"] == 1 and rows["y"]["speedup"][0] == pytest.approx(4.0)
@@ -142,13 +155,28 @@ def test_summarize_groups_by_category_and_skips_prompts_missing_a_mode():
 def test_gate_failures_name_the_mode():
     rows = summarize([make_run("a", 0, [10.0], BASE_STEPS), make_run("a", 4, [15.0], SPEC_STEPS)])
     assert gate_failures(rows, 1.4, 3.0) == []
-    assert gate_failures(rows, 2.0, 3.5) == ["speedup 1.50 < 2 (greedy, γ=4)",
-                                             "mean accepted length 3.00 < 3.5 (greedy, γ=4)"]
+    assert gate_failures(rows, 2.0, 3.5) == [
+        "speedup 1.50 < 2 (greedy, γ=4)",
+        "mean accepted length 3.00 < 3.5 (greedy, γ=4)",
+    ]
 
 
 def test_identical_draft_accepts_everything_end_to_end(same_config, tmp_path):
-    code, out, err = run_cli("-c", str(same_config), "--gamma", "1,3", "--temperatures", "0,1",
-                             "--category", "qa", "--limit", "1", "--repeats", "2", "--json")
+    code, out, err = run_cli(
+        "-c",
+        str(same_config),
+        "--gamma",
+        "1,3",
+        "--temperatures",
+        "0,1",
+        "--category",
+        "qa",
+        "--limit",
+        "1",
+        "--repeats",
+        "2",
+        "--json",
+    )
     assert code == 0, err
     record = json.loads(out)
     assert record["command"] == "benchmark" and record["partial"] is False
@@ -168,8 +196,9 @@ def test_identical_draft_accepts_everything_end_to_end(same_config, tmp_path):
 
 
 def test_prompt_file_multi_turn_counts_both_turns(same_config, prompt_file):
-    code, out, err = run_cli("-c", str(same_config), "--prompts", str(prompt_file), "--temperatures", "0",
-                             "--warmup", "0", "--json")
+    code, out, err = run_cli(
+        "-c", str(same_config), "--prompts", str(prompt_file), "--temperatures", "0", "--warmup", "0", "--json"
+    )
     assert code == 0, err
     record = json.loads(out)
     assert [p["category"] for p in record["prompt_set"]] == ["chat", "qa"]
@@ -180,8 +209,7 @@ def test_prompt_file_multi_turn_counts_both_turns(same_config, prompt_file):
 def test_text_prompts_and_table_output(same_config, tmp_path):
     path = tmp_path / "prompts.txt"
     path.write_text("first prompt\n\nsecond prompt\n")
-    code, out, err = run_cli("-c", str(same_config), "--prompts", str(path), "--temperatures", "0",
-                             "--warmup", "0")
+    code, out, err = run_cli("-c", str(same_config), "--prompts", str(path), "--temperatures", "0", "--warmup", "0")
     assert code == 0, err
     assert "Speedup by category" in out and "Leviathan" in out and "default" in out
     record = json.loads((written_record(tmp_path, "tiny-same") / "record.json").read_text())
@@ -204,8 +232,20 @@ def test_bad_gamma_list_is_a_clear_error(same_config):
 
 
 def test_unreachable_accept_length_gate_exits_4(same_config):
-    code, out, err = run_cli("-c", str(same_config), "--category", "qa", "--temperatures", "0", "--warmup", "0",
-                             "--min-accept-length", "5", "--min-speedup", "0")
+    code, out, err = run_cli(
+        "-c",
+        str(same_config),
+        "--category",
+        "qa",
+        "--temperatures",
+        "0",
+        "--warmup",
+        "0",
+        "--min-accept-length",
+        "5",
+        "--min-speedup",
+        "0",
+    )
     assert code == EXIT_GATE_FAILED
     assert "mean accepted length 4.00 < 5 (greedy, γ=3)" in err
     assert "Speedup by category" in out  # the results are shown and written before the gate fails
@@ -215,19 +255,20 @@ def test_compare_two_records(tmp_path):
     # A: an identical draft accepts all 3 drafts per forward; B: prompt lookup on random text, far fewer
     configs = [write_pair(tmp_path), write_pair(tmp_path, name="tiny-ngram", draft={"ngram": {}})]
     for path in configs:
-        code, out, err = run_cli("-c", str(path), "--category", "qa", "--temperatures", "0", "--warmup", "0",
-                                 "--json")
+        code, out, err = run_cli("-c", str(path), "--category", "qa", "--temperatures", "0", "--warmup", "0", "--json")
         assert code == 0, err
     a, b = written_record(tmp_path, "tiny-same"), written_record(tmp_path, "tiny-ngram")
-    length_b = [r for r in json.loads((b / "record.json").read_text())["summary"]
-                if r["group"] == "overall"][0]["mean_accepted_length"]
+    length_b = [r for r in json.loads((b / "record.json").read_text())["summary"] if r["group"] == "overall"][0][
+        "mean_accepted_length"
+    ]
     assert length_b < 4
     code, out, err = run_cli("--compare", str(a), str(b / "record.json"), "--json")
     assert code == 0, err
     rows = json.loads(out)["rows"]
     assert ["greedy, γ=3", "mean accepted length", "4.000", f"{length_b:.3f}", f"{length_b / 4:.2f}×"] in rows
-    code, out, err = run_cli("-c", str(configs[0]), "--category", "qa", "--temperatures", "0", "--warmup", "0",
-                             "--gamma", "1", "--json")
+    code, out, err = run_cli(
+        "-c", str(configs[0]), "--category", "qa", "--temperatures", "0", "--warmup", "0", "--gamma", "1", "--json"
+    )
     assert code == 0, err
     other = max((tmp_path / "runs").glob("*-benchmark-tiny-same*"))  # the second run of that config
     code, out, err = run_cli("--compare", str(a), str(other), "--json")
@@ -235,8 +276,7 @@ def test_compare_two_records(tmp_path):
 
 
 def run_peer(config: Path, *args: str) -> dict:
-    code, out, err = run_cli("-c", str(config), "--category", "qa", "--warmup", "0", "--peer", "hf", "--json",
-                             *args)
+    code, out, err = run_cli("-c", str(config), "--category", "qa", "--warmup", "0", "--peer", "hf", "--json", *args)
     assert code == 0, err
     return json.loads(out)
 
@@ -245,9 +285,12 @@ def test_hf_peer_runs_beside_specdec(tmp_path):
     record = run_peer(write_pair(tmp_path, draft={"ngram": {"max_n": 3}}), "--temperatures", "0,1")
     # plain generate() and transformers' prompt lookup, each beside specdec's speculative run
     assert [(p["temperature"], p["engine"], p["gamma"], p["specdec_gamma"]) for p in record["peers"]] == [
-        (0.0, "hf", 0, 3), (0.0, "hf prompt lookup", 3, 3), (1.0, "hf", 0, 3), (1.0, "hf prompt lookup", 3, 3)]
-    assert all(p["peer_tokens_per_second"][0] > 0 and p["specdec_tokens_per_second"][0] > 0
-               for p in record["peers"])
+        (0.0, "hf", 0, 3),
+        (0.0, "hf prompt lookup", 3, 3),
+        (1.0, "hf", 0, 3),
+        (1.0, "hf prompt lookup", 3, 3),
+    ]
+    assert all(p["peer_tokens_per_second"][0] > 0 and p["specdec_tokens_per_second"][0] > 0 for p in record["peers"])
     assert [p["greedy_identical"] for p in record["peers"]] == [1, 1, None, None]
     # the caption says the two n-gram drafters differ
     assert "same loaded models" in record["peer_fairness"] and "earliest match" in record["peer_fairness"]
@@ -267,15 +310,19 @@ def test_hf_peer_ignores_the_checkpoints_generation_settings(tmp_path):
     target = build_tiny(TinyModel(seed=0))
     target.generation_config.repetition_penalty = 1.5
     target.generation_config.no_repeat_ngram_size = 2
-    config = write_pair(tmp_path, target={"checkpoint": str(save_checkpoint(target, tmp_path / "target"))},
-                        draft={"ngram": {}}, generation={"max_new_tokens": 24, "ignore_eos": True})
+    config = write_pair(
+        tmp_path,
+        target={"checkpoint": str(save_checkpoint(target, tmp_path / "target"))},
+        draft={"ngram": {}},
+        generation={"max_new_tokens": 24, "ignore_eos": True},
+    )
     record = run_peer(config, "--temperatures", "0")
     tokens = tokens_by_mode(record)
     assert tokens["hf", 0] == tokens["hf prompt lookup", 3] == tokens["specdec", 0] == tokens["specdec", 3]
     # the settings matter here: generate() left to itself takes them and answers otherwise
     prompt = torch.tensor([byte_tokenizer().encode(record["prompt_set"][0]["turns"][0])])
     inherited = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24)
-    assert inherited[0, prompt.shape[1]:].tolist() != tokens["specdec", 0]
+    assert inherited[0, prompt.shape[1] :].tolist() != tokens["specdec", 0]
 
 
 def test_hf_peer_with_ignore_eos_samples_eos_and_carries_on(tmp_path):
@@ -286,8 +333,12 @@ def test_hf_peer_with_ignore_eos_samples_eos_and_carries_on(tmp_path):
         w = target.lm_head.weight
         w[eos], w[1] = w[0].clone(), -w[0]
         w[[i for i in range(len(w)) if i not in (eos, 1)]] = 0
-    config = write_pair(tmp_path, target={"checkpoint": str(save_checkpoint(target, tmp_path / "target"))},
-                        draft={"ngram": {}}, generation={"max_new_tokens": 24, "ignore_eos": True})
+    config = write_pair(
+        tmp_path,
+        target={"checkpoint": str(save_checkpoint(target, tmp_path / "target"))},
+        draft={"ngram": {}},
+        generation={"max_new_tokens": 24, "ignore_eos": True},
+    )
     tokens = tokens_by_mode(run_peer(config, "--temperatures", "0"))
     assert eos in tokens["specdec", 0] and len(tokens["specdec", 0]) == 24
     assert tokens["hf", 0] == tokens["specdec", 0] == tokens["hf prompt lookup", 3]
@@ -297,10 +348,14 @@ def test_hf_peer_with_a_draft_head_of_another_size(tmp_path):
     # Qwen2.5 0.5B and 7B share a tokenizer but not the head size; transformers' assisted generation refuses
     target, draft = build_tiny(TinyModel(seed=0)), build_tiny(TinyModel(seed=0))
     target.resize_token_embeddings(300)  # the byte tokenizer has 258 tokens: 42 spare rows, as in Qwen
-    config = write_pair(tmp_path, target={"checkpoint": str(save_checkpoint(target, tmp_path / "target"))},
-                        draft={"checkpoint": str(save_checkpoint(draft, tmp_path / "draft"))})
-    code, out, err = run_cli("-c", str(config), "--category", "qa", "--warmup", "0", "--temperatures", "0",
-                             "--peer", "hf", "--json")
+    config = write_pair(
+        tmp_path,
+        target={"checkpoint": str(save_checkpoint(target, tmp_path / "target"))},
+        draft={"checkpoint": str(save_checkpoint(draft, tmp_path / "draft"))},
+    )
+    code, out, err = run_cli(
+        "-c", str(config), "--category", "qa", "--warmup", "0", "--temperatures", "0", "--peer", "hf", "--json"
+    )
     assert code == 0, err
     assert "LM head has 258 rows and the target's 300" in " ".join(err.split())  # said before any work
     record = json.loads(out)

@@ -44,10 +44,28 @@ def test_json_record_on_stdout_and_in_runs(write_config, tmp_path):
 
 
 def test_flags_override_yaml_including_zero_and_false(write_config):
-    config = write_config({"sampling": {"temperature": 0.9, "top_k": 5, "top_p": 0.5, "seed": 3},
-                           "generation": {"max_new_tokens": 16, "ignore_eos": True}})
-    record = generate_json(config, "--temperature", "0", "--top-k", "0", "--top-p", "1", "--seed", "0",
-                           "--max-new-tokens", "8", "--stop-at-eos", "--gamma", "2")
+    config = write_config(
+        {
+            "sampling": {"temperature": 0.9, "top_k": 5, "top_p": 0.5, "seed": 3},
+            "generation": {"max_new_tokens": 16, "ignore_eos": True},
+        }
+    )
+    record = generate_json(
+        config,
+        "--temperature",
+        "0",
+        "--top-k",
+        "0",
+        "--top-p",
+        "1",
+        "--seed",
+        "0",
+        "--max-new-tokens",
+        "8",
+        "--stop-at-eos",
+        "--gamma",
+        "2",
+    )
     assert record["config"]["sampling"] == {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
     assert record["config"]["generation"] == {"max_new_tokens": 8, "ignore_eos": False}
     assert record["config"]["speculation"]["num_draft_tokens"] == 2
@@ -56,8 +74,13 @@ def test_flags_override_yaml_including_zero_and_false(write_config):
 
 def test_greedy_cli_output_equals_target_alone(write_config):
     """An identical draft through the CLI: every draft accepted, same tokens as target-only decoding."""
-    same = generate_json(write_config({"draft": {"tiny": {"seed": 0}}, "generation": {"ignore_eos": True}}),
-                         "--max-new-tokens", "12", "--gamma", "3")
+    same = generate_json(
+        write_config({"draft": {"tiny": {"seed": 0}}, "generation": {"ignore_eos": True}}),
+        "--max-new-tokens",
+        "12",
+        "--gamma",
+        "3",
+    )
     assert same["stats"]["mean_accepted_length"] == 4.0
     assert same["stats"]["acceptance_rate"] == 1.0
     noisy = generate_json(write_config({"generation": {"ignore_eos": True}}), "--max-new-tokens", "12")
@@ -82,36 +105,41 @@ def assert_one_line_error(result, *fragments: str, code: int = EXIT_BAD_INPUT):
     assert "Traceback" not in result.output
 
 
-@pytest.mark.parametrize("changes, fragments", [
-    ({"sampling": {"temprature": 1.0}}, ["unknown key", "`sampling.temprature`"]),
-    ({"extra": 1}, ["unknown key", "`extra`"]),
-    ({"sampling": {"temperature": "hot"}}, ["`sampling.temperature` must be float"]),
-    ({"sampling": {"top_k": 1.5}}, ["`sampling.top_k` must be int"]),
-    ({"sampling": {"temperature": -1}}, ["temperature must be a finite number >= 0"]),
-    ({"sampling": {"temperature": float("nan")}}, ["temperature must be a finite number >= 0", "nan"]),
-    ({"sampling": {"temperature": float("inf")}}, ["temperature must be a finite number >= 0", "inf"]),
-    ({"sampling": {"top_p": 0}}, ["top_p must be in (0, 1]"]),
-    ({"sampling": {"top_p": 1.5}}, ["top_p must be in (0, 1]"]),
-    ({"sampling": {"top_k": -1}}, ["top_k must be >= 0"]),
-    ({"speculation": {"num_draft_tokens": 0}}, ["num_draft_tokens must be >= 1"]),
-    ({"runtime": {"dtype": "float8"}}, ["dtype must be"]),
-    ({"draft": {"checkpoint": "/nonexistent/model"}}, ["checkpoint not found: /nonexistent/model"]),
-    ({"draft": {"checkpoint": "missing.gguf"}}, ["checkpoint not found: missing.gguf"]),
-    ({"draft": {}}, ["`draft` needs exactly one of"]),
-    ({"target": {"tiny": {"max_position_embeddings": 20}}}, ["exceeds the target's context of 20"]),
-])
+@pytest.mark.parametrize(
+    "changes, fragments",
+    [
+        ({"sampling": {"temprature": 1.0}}, ["unknown key", "`sampling.temprature`"]),
+        ({"extra": 1}, ["unknown key", "`extra`"]),
+        ({"sampling": {"temperature": "hot"}}, ["`sampling.temperature` must be float"]),
+        ({"sampling": {"top_k": 1.5}}, ["`sampling.top_k` must be int"]),
+        ({"sampling": {"temperature": -1}}, ["temperature must be a finite number >= 0"]),
+        ({"sampling": {"temperature": float("nan")}}, ["temperature must be a finite number >= 0", "nan"]),
+        ({"sampling": {"temperature": float("inf")}}, ["temperature must be a finite number >= 0", "inf"]),
+        ({"sampling": {"top_p": 0}}, ["top_p must be in (0, 1]"]),
+        ({"sampling": {"top_p": 1.5}}, ["top_p must be in (0, 1]"]),
+        ({"sampling": {"top_k": -1}}, ["top_k must be >= 0"]),
+        ({"speculation": {"num_draft_tokens": 0}}, ["num_draft_tokens must be >= 1"]),
+        ({"runtime": {"dtype": "float8"}}, ["dtype must be"]),
+        ({"draft": {"checkpoint": "/nonexistent/model"}}, ["checkpoint not found: /nonexistent/model"]),
+        ({"draft": {"checkpoint": "missing.gguf"}}, ["checkpoint not found: missing.gguf"]),
+        ({"draft": {}}, ["`draft` needs exactly one of"]),
+        ({"target": {"tiny": {"max_position_embeddings": 20}}}, ["exceeds the target's context of 20"]),
+    ],
+)
 def test_config_errors(write_config, changes, fragments):
-    assert_one_line_error(run("generate", "-c", str(write_config(changes)), "--prompt", "Hello there"),
-                          *fragments)
+    assert_one_line_error(run("generate", "-c", str(write_config(changes)), "--prompt", "Hello there"), *fragments)
 
 
-@pytest.mark.parametrize("args, fragments", [
-    (["--temperature", "-0.5"], ["temperature must be a finite number >= 0"]),
-    (["--temperature", "nan"], ["temperature must be a finite number >= 0"]),
-    (["--temperature", "inf"], ["temperature must be a finite number >= 0"]),
-    (["--top-p", "2"], ["top_p must be in (0, 1]"]),
-    (["--gamma", "0"], ["num_draft_tokens must be >= 1"]),
-])
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["--temperature", "-0.5"], ["temperature must be a finite number >= 0"]),
+        (["--temperature", "nan"], ["temperature must be a finite number >= 0"]),
+        (["--temperature", "inf"], ["temperature must be a finite number >= 0"]),
+        (["--top-p", "2"], ["top_p must be in (0, 1]"]),
+        (["--gamma", "0"], ["num_draft_tokens must be >= 1"]),
+    ],
+)
 def test_flag_errors(write_config, args, fragments):
     result = run("generate", "-c", str(write_config()), "--prompt", "Hello there", *args)
     assert_one_line_error(result, *fragments)
@@ -145,8 +173,7 @@ def test_missing_config_and_prompt_errors(write_config):
     config = str(write_config())
     assert_one_line_error(run("generate", "-c", config, "--prompt", "   "), "the prompt is empty")
     assert_one_line_error(run("generate", "-c", config), "give exactly one of --prompt")
-    assert_one_line_error(run("generate", "-c", config, "--prompt-file", "/no/such/file"),
-                          "cannot read prompt file")
+    assert_one_line_error(run("generate", "-c", config, "--prompt-file", "/no/such/file"), "cannot read prompt file")
 
 
 def test_draft_with_a_different_tokenizer_is_refused(write_config, tmp_path):
@@ -175,7 +202,6 @@ def test_usage_errors_are_one_line_from_the_real_entry_point(args):
 
 def test_the_command_line_starts_without_torch_or_transformers():
     """--help, argument checks and --compare must not pay for loading torch and transformers."""
-    code = ("import sys, specdec_cli.cli; "
-            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    code = "import sys, specdec_cli.cli; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"

@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import cached
 
+from specdec_cli.config import TinyModel
 from specdec_cli.decoding.engine import SpeculativeDecoder
 from specdec_cli.decoding.metrics import acceptance_rate
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.decoding.sampling import sample
 from specdec_cli.drafters.model import ModelDrafter
-from specdec_cli.config import TinyModel
 from specdec_cli.models.checkpoints import build_tiny
-
-from conftest import cached
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown"
@@ -60,7 +59,8 @@ def test_cuda_sampling_is_the_float64_exponential_race():
     probs = torch.tensor([[0.2, 0.3, 0.5]], device="cuda").expand(4096, 3)
     drawn = sample(probs, torch.Generator(device="cuda").manual_seed(3))
     noise = torch.empty(probs.shape, dtype=torch.float64, device="cuda").exponential_(
-        generator=torch.Generator(device="cuda").manual_seed(3))
+        generator=torch.Generator(device="cuda").manual_seed(3)
+    )
     assert torch.equal(drawn, (probs.double() / noise).argmax(dim=-1))
     frequencies = torch.bincount(drawn, minlength=3).double() / len(drawn)
     assert torch.allclose(frequencies.cpu(), torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64), atol=0.03)

@@ -23,7 +23,7 @@ def test_the_stream_prints_the_text_and_decodes_short_windows(tokenizer, monkeyp
     out = io.StringIO()
     stream = display.TokenStream(tokenizer, Console(file=out, width=10_000))
     for start in range(0, len(ids), 3):  # blocks of 3 tokens, the first of each from the draft
-        stream(ids[start:start + 3], 1)
+        stream(ids[start : start + 3], 1)
     stream.close()
     assert out.getvalue() == text + "\n"
     assert max(windows) <= 8  # the longest character is 4 bytes: never the whole answer again

@@ -14,17 +14,25 @@ from typer.testing import CliRunner
 from specdec_cli import verify
 from specdec_cli.cli import app
 from specdec_cli.config import load_config
-from specdec_cli.distill import Batch, draft_log_probs
-from specdec_cli.models.feature_draft import DRAFT_INFO, feature_inputs, init_draft
-from specdec_cli.errors import EXIT_BAD_INPUT
-from specdec_cli.models.pair import load_pair
 from specdec_cli.decoding.params import SamplingParams
+from specdec_cli.distill import Batch, draft_log_probs
+from specdec_cli.errors import EXIT_BAD_INPUT
+from specdec_cli.models.feature_draft import DRAFT_INFO, feature_inputs, init_draft
+from specdec_cli.models.pair import load_pair
 
 runner = CliRunner()
 
 TARGET = {"tiny": {"seed": 0, "num_layers": 2}}
-PROMPTS = ["Hello there", "The quick brown fox", "Once upon a time", "Count to ten", "Write a poem",
-           "A list: one, two", "What is two plus two", "abc abc"]
+PROMPTS = [
+    "Hello there",
+    "The quick brown fox",
+    "Once upon a time",
+    "Count to ten",
+    "Write a poem",
+    "A list: one, two",
+    "What is two plus two",
+    "abc abc",
+]
 
 
 @pytest.fixture(scope="module")
@@ -32,25 +40,67 @@ def distilled(tmp_path_factory):
     """One tiny distillation run shared by the tests below: its folder, configs and record."""
     tmp = tmp_path_factory.mktemp("distill")
     config = tmp / "target.yaml"
-    config.write_text(yaml.safe_dump({"name": "tiny", "target": TARGET, "draft": {"ngram": {}},
-                                      "runtime": {"device": "cpu", "threads": 1}}))
+    config.write_text(
+        yaml.safe_dump(
+            {"name": "tiny", "target": TARGET, "draft": {"ngram": {}}, "runtime": {"device": "cpu", "threads": 1}}
+        )
+    )
     prompts = tmp / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS))
     out = tmp / "draft"
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SPECDEC_RUNS_DIR", str(tmp / "runs"))
-        result = runner.invoke(app, ["distill", "-c", str(config), "--out", str(out), "--prompts", str(prompts),
-                                     "--layers", "1", "--vocab", "96", "--steps", "80", "--learning-rate", "3e-3",
-                                     "--answers-per-prompt", "4", "--synthetic-prompts", "8", "--answer-tokens",
-                                     "32", "--eval-every", "80", "--dtype", "float32"])
+        result = runner.invoke(
+            app,
+            [
+                "distill",
+                "-c",
+                str(config),
+                "--out",
+                str(out),
+                "--prompts",
+                str(prompts),
+                "--layers",
+                "1",
+                "--vocab",
+                "96",
+                "--steps",
+                "80",
+                "--learning-rate",
+                "3e-3",
+                "--answers-per-prompt",
+                "4",
+                "--synthetic-prompts",
+                "8",
+                "--answer-tokens",
+                "32",
+                "--eval-every",
+                "80",
+                "--dtype",
+                "float32",
+            ],
+        )
     assert result.exit_code == 0, result.output
     [record] = (tmp / "runs").glob("*-distill-*/record.json")
     pair_config = tmp / "pair.yaml"
-    pair_config.write_text(yaml.safe_dump({
-        "name": "pair", "target": TARGET, "draft": {"checkpoint": "draft"},
-        "generation": {"max_new_tokens": 24, "ignore_eos": True}, "runtime": {"device": "cpu", "threads": 1}}))
-    return SimpleNamespace(out=out, target_config=config, pair_config=pair_config,
-                           record=json.loads(record.read_text()), info=json.loads((out / DRAFT_INFO).read_text()))
+    pair_config.write_text(
+        yaml.safe_dump(
+            {
+                "name": "pair",
+                "target": TARGET,
+                "draft": {"checkpoint": "draft"},
+                "generation": {"max_new_tokens": 24, "ignore_eos": True},
+                "runtime": {"device": "cpu", "threads": 1},
+            }
+        )
+    )
+    return SimpleNamespace(
+        out=out,
+        target_config=config,
+        pair_config=pair_config,
+        record=json.loads(record.read_text()),
+        info=json.loads((out / DRAFT_INFO).read_text()),
+    )
 
 
 def test_every_trained_position_improves(distilled):
@@ -85,8 +135,12 @@ def test_greedy_output_is_the_targets(distilled):
 
 def test_sampled_output_is_the_targets(distilled):
     # drafts get accepted (the tiny target's greedy path may leave the draft's 96 tokens: sample)
-    accepted = sum(generate_json("-c", str(distilled.pair_config), "--temperature", "0.8", "--seed", str(seed)
-                                 )["stats"]["accepted_draft_tokens"] for seed in range(5))
+    accepted = sum(
+        generate_json("-c", str(distilled.pair_config), "--temperature", "0.8", "--seed", str(seed))["stats"][
+            "accepted_draft_tokens"
+        ]
+        for seed in range(5)
+    )
     assert accepted > 0
     # the first token and positions 2..4 are distributed as the target's, and a one-token prompt (no
     # target state to read yet) still decodes exactly
@@ -101,13 +155,30 @@ def test_sampled_output_is_the_targets(distilled):
 
 def test_hf_peer_runs_what_transformers_has_beside_a_feature_draft(distilled):
     # transformers cannot run a feature draft: plain generate() and its prompt lookup stand beside specdec
-    peer = runner.invoke(app, ["benchmark", "-c", str(distilled.pair_config), "--peer", "hf", "--category", "qa",
-                               "--temperatures", "0", "--warmup", "0", "--json"])
+    peer = runner.invoke(
+        app,
+        [
+            "benchmark",
+            "-c",
+            str(distilled.pair_config),
+            "--peer",
+            "hf",
+            "--category",
+            "qa",
+            "--temperatures",
+            "0",
+            "--warmup",
+            "0",
+            "--json",
+        ],
+    )
     assert peer.exit_code == 0, peer.output
     record = json.loads(peer.stdout)
     [gamma] = record["settings"]["gammas"]
     assert [(p["engine"], p["gamma"], p["specdec_gamma"]) for p in record["peers"]] == [
-        ("hf", 0, gamma), ("hf prompt lookup", gamma, gamma)]
+        ("hf", 0, gamma),
+        ("hf prompt lookup", gamma, gamma),
+    ]
     for row in record["peers"]:
         assert row["peer_tokens_per_second"][0] > 0 and row["specdec_tokens_per_second"][0] > 0
         assert row["greedy_identical"] == 1
@@ -116,8 +187,16 @@ def test_hf_peer_runs_what_transformers_has_beside_a_feature_draft(distilled):
 
 def test_a_draft_for_another_target_is_refused(distilled, tmp_path):
     other = tmp_path / "other.yaml"
-    other.write_text(yaml.safe_dump({"name": "other", "target": {"tiny": {"seed": 0, "hidden_size": 32}},
-                                     "draft": {"checkpoint": str(distilled.out)}, "runtime": {"device": "cpu"}}))
+    other.write_text(
+        yaml.safe_dump(
+            {
+                "name": "other",
+                "target": {"tiny": {"seed": 0, "hidden_size": 32}},
+                "draft": {"checkpoint": str(distilled.out)},
+                "runtime": {"device": "cpu"},
+            }
+        )
+    )
     refused = runner.invoke(app, ["generate", "-c", str(other), "-p", "Hello"])
     assert refused.exit_code == EXIT_BAD_INPUT and "was distilled for" in refused.output
 
@@ -133,13 +212,24 @@ def test_training_sees_what_drafting_sees(tiny_target):
         weight.add_(0.05 * torch.randn_like(weight))
     ids, states = torch.randint(0, vocab, (1, length)), torch.randn(1, length, width)
     unused = torch.zeros(length, dtype=torch.long)
-    batch = Batch(ids, states, torch.ones(1, length), rows=unused, cols=torch.arange(length), targets=unused[:, None],
-                  weights=torch.ones(length, 1), top1=unused, greedy=unused.bool())
+    batch = Batch(
+        ids,
+        states,
+        torch.ones(1, length),
+        rows=unused,
+        cols=torch.arange(length),
+        targets=unused[:, None],
+        weights=torch.ones(length, 1),
+        top1=unused,
+        greedy=unused.bool(),
+    )
     trained = draft_log_probs(draft, batch, None, draft_steps)
     for t in range(length - draft_steps + 1):  # verified text ends at input t
-        features = states[:, :t + 1]
+        features = states[:, : t + 1]
         for step in range(draft_steps):
-            hidden = draft.model(inputs_embeds=feature_inputs(draft, ids[:, :t + step + 1], features)).last_hidden_state
+            hidden = draft.model(
+                inputs_embeds=feature_inputs(draft, ids[:, : t + step + 1], features)
+            ).last_hidden_state
             drafting = draft.lm_head.scores(hidden[0, t + step]).log_softmax(-1)
             torch.testing.assert_close(trained[step][t + step], drafting, atol=1e-4, rtol=1e-4)
-            features = torch.cat([states[:, :t + 1], hidden[:, t:t + step + 1]], dim=1)
+            features = torch.cat([states[:, : t + 1], hidden[:, t : t + step + 1]], dim=1)

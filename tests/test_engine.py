@@ -6,20 +6,19 @@ import time
 
 import pytest
 import torch
+from conftest import cached
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from specdec_cli.models.checkpoints import build_tiny
 from specdec_cli.config import TinyModel
+from specdec_cli.decoding.engine import SpeculativeDecoder
+from specdec_cli.decoding.metrics import acceptance_rate, mean_accepted_length
+from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.drafters.feature import FeatureDrafter
 from specdec_cli.drafters.model import ModelDrafter
 from specdec_cli.drafters.ngram import NgramDrafter
-from specdec_cli.decoding.engine import SpeculativeDecoder
-from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.errors import SpecdecError
+from specdec_cli.models.checkpoints import build_tiny
 from specdec_cli.models.feature_draft import init_draft
-from specdec_cli.decoding.metrics import acceptance_rate, mean_accepted_length
-
-from conftest import cached
 
 GREEDY = SamplingParams()
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown"
@@ -36,8 +35,11 @@ def target_only(model, prompt_ids, max_new, params=GREEDY, seed=0, eos=frozenset
 
 
 def speculative(target, draft, prompt_ids, max_new, gamma, params=GREEDY, seed=0, eos=frozenset()):
-    drafter = ModelDrafter(cached(draft)) if draft is not None else NgramDrafter(
-        3, 1, target.config.vocab_size, torch.device("cpu"))
+    drafter = (
+        ModelDrafter(cached(draft))
+        if draft is not None
+        else NgramDrafter(3, 1, target.config.vocab_size, torch.device("cpu"))
+    )
     decoder = SpeculativeDecoder(cached(target), drafter, params, gamma, set(eos))
     return decoder.generate(prompt_ids, max_new, seed)
 
@@ -112,9 +114,19 @@ def test_nothing_after_eos(tiny_target, tokenizer):
 def sliding_window_model(noise: float = 0.0):
     """A tiny Qwen2 whose second layer attends over a window of 8 tokens (Mistral, Gemma 2/3 and
     Qwen2 with use_sliding_window mix such layers in the same way)."""
-    config = Qwen2Config(vocab_size=258, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
-                         max_window_layers=1, max_position_embeddings=512, initializer_range=0.3)
+    config = Qwen2Config(
+        vocab_size=258,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=1,
+        max_position_embeddings=512,
+        initializer_range=0.3,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = Qwen2ForCausalLM(config).eval()
@@ -130,7 +142,7 @@ def greedy_without_cache(model, prompt_ids, max_new):
     ids = list(prompt_ids)
     for _ in range(max_new):
         ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt_ids):]
+    return ids[len(prompt_ids) :]
 
 
 def test_sliding_window_layers_roll_back_exactly(tokenizer):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TINY_PAIR, cached
 
 from specdec_cli import verify
 from specdec_cli.config import TinyModel, parse_config
@@ -17,8 +18,6 @@ from specdec_cli.errors import SpecdecError
 from specdec_cli.models.checkpoints import build_tiny
 from specdec_cli.models.feature_draft import init_draft
 from specdec_cli.models.pair import load_pair
-
-from conftest import TINY_PAIR, cached
 
 PROMPT = "Copy this: the cat sat on the mat. Again: the cat sat on the mat. Once more: the cat"
 
@@ -62,15 +61,19 @@ def test_greedy_output_is_the_targets(tiny_target, tokenizer, kind):
     prompt = tokenizer.encode(PROMPT)
     baseline = SpeculativeDecoder(cached(tiny_target), None, SamplingParams(), 1, set()).generate(prompt, 48, 0)
     drafter = Counting(hybrid(tiny_target, kind))
-    result = SpeculativeDecoder(cached(tiny_target), drafter, SamplingParams(), 3, set()).generate(
-        prompt, 48, 0)
+    result = SpeculativeDecoder(cached(tiny_target), drafter, SamplingParams(), 3, set()).generate(prompt, 48, 0)
     assert result.token_ids == baseline.token_ids
     assert drafter.by_lookup > 0 and drafter.by_model > 0  # both sides drafted, and followed each other
 
 
 def test_sampled_output_is_the_targets(write_config):
-    config = parse_config({**TINY_PAIR, "draft": {"tiny": {"seed": 0, "noise": 0.005}, "lookup": {"min_n": 2}},
-                           "runtime": {"device": "cpu", "dtype": "float32", "threads": 1}})
+    config = parse_config(
+        {
+            **TINY_PAIR,
+            "draft": {"tiny": {"seed": 0, "noise": 0.005}, "lookup": {"min_n": 2}},
+            "runtime": {"device": "cpu", "dtype": "float32", "threads": 1},
+        }
+    )
     pair = load_pair(config)
     assert isinstance(pair.drafter, LookupFirstDrafter)
     ids = pair.encode(PROMPT)
@@ -91,7 +94,8 @@ def test_the_model_follows_blocks_it_did_not_draft(tiny_target, tokenizer, kind)
     drafter = hybrid(tiny_target, kind)
     counting = Counting(drafter)
     SpeculativeDecoder(cached(tiny_target), counting, SamplingParams(), 3, set()).generate(
-        tokenizer.encode(PROMPT), 40, 0)
+        tokenizer.encode(PROMPT), 40, 0
+    )
     assert counting.by_lookup > 0 and counting.by_model > 0
     [context] = drafter.lookup.contexts  # everything verified, the last block's token included
     target = cached(tiny_target)

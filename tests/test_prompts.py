@@ -3,8 +3,8 @@ from importlib import resources
 
 import pytest
 
-from specdec_cli.errors import SpecdecError
 from specdec_cli.bench.prompts import Prompt, builtin_suite, load_prompts, select
+from specdec_cli.errors import SpecdecError
 
 CATEGORIES = {"multi_turn", "translation", "summarization", "qa", "math_reasoning", "rag", "code"}
 

@@ -6,8 +6,15 @@ import pytest
 import torch
 from scipy import stats
 
-from specdec_cli.decoding.sampling import (SamplingParams, accepted_prefix_length, residual, sample, verify_greedy,
-                                  verify_sampled, warp)
+from specdec_cli.decoding.sampling import (
+    SamplingParams,
+    accepted_prefix_length,
+    residual,
+    sample,
+    verify_greedy,
+    verify_sampled,
+    warp,
+)
 
 
 def test_acceptance_matches_the_notes_examples():
@@ -94,8 +101,7 @@ def goodness_of_fit(counts: torch.Tensor, p: torch.Tensor) -> float:
 
 def broken_accept_q_over_p(drafts, draft_probs, target_probs, generator):
     """A realistic bug: accept with min(1, q/p) instead of min(1, p/q)."""
-    return verify_sampled(drafts, target_probs[:, :-1], torch.cat([draft_probs, target_probs[:, -1:]], 1),
-                          generator)
+    return verify_sampled(drafts, target_probs[:, :-1], torch.cat([draft_probs, target_probs[:, -1:]], 1), generator)
 
 
 def broken_resample_from_p(drafts, draft_probs, target_probs, generator):
@@ -111,8 +117,11 @@ ALPHA = 0.001
 def failing_pairs(sampler) -> list[str]:
     pairs = random_pairs(vocab=16, seed=1)
     threshold = ALPHA / len(pairs)  # Bonferroni over the pairs
-    return [name for i, (name, (p, q)) in enumerate(pairs.items())
-            if goodness_of_fit(first_token_counts(sampler, p, q, SAMPLES, seed=i), p) < threshold]
+    return [
+        name
+        for i, (name, (p, q)) in enumerate(pairs.items())
+        if goodness_of_fit(first_token_counts(sampler, p, q, SAMPLES, seed=i), p) < threshold
+    ]
 
 
 def test_sampler_output_distribution_equals_target():
@@ -133,8 +142,9 @@ def test_bonus_token_comes_from_the_last_position():
     p0 = torch.full((vocab,), 1 / vocab)
     bonus = torch.tensor([0.05, 0.05, 0.1, 0.2, 0.3, 0.3])
     drafts = torch.zeros(n, 1, dtype=torch.long)
-    num_accepted, next_token = verify_sampled(drafts, p0.expand(n, 1, vocab),
-                                              torch.stack([p0, bonus]).expand(n, 2, vocab), generator)
+    num_accepted, next_token = verify_sampled(
+        drafts, p0.expand(n, 1, vocab), torch.stack([p0, bonus]).expand(n, 2, vocab), generator
+    )
     assert bool((num_accepted == 1).all())  # q == p: always accepted
     assert goodness_of_fit(torch.bincount(next_token, minlength=vocab), bonus.double()) > ALPHA
 
@@ -151,13 +161,10 @@ def test_greedy_verification():
 
 def test_warp_top_k_and_top_p():
     logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
-    assert torch.allclose(warp(logits, SamplingParams(temperature=1.0, top_k=2)),
-                          torch.tensor([4 / 7, 3 / 7, 0, 0]))
+    assert torch.allclose(warp(logits, SamplingParams(temperature=1.0, top_k=2)), torch.tensor([4 / 7, 3 / 7, 0, 0]))
     # top-p 0.6: 0.4 alone is short of 0.6, 0.4 + 0.3 reaches it; the rest is cut
-    assert torch.allclose(warp(logits, SamplingParams(temperature=1.0, top_p=0.6)),
-                          torch.tensor([4 / 7, 3 / 7, 0, 0]))
-    assert torch.allclose(warp(logits, SamplingParams(temperature=1.0, top_p=0.4)),
-                          torch.tensor([1.0, 0, 0, 0]))
+    assert torch.allclose(warp(logits, SamplingParams(temperature=1.0, top_p=0.6)), torch.tensor([4 / 7, 3 / 7, 0, 0]))
+    assert torch.allclose(warp(logits, SamplingParams(temperature=1.0, top_p=0.4)), torch.tensor([1.0, 0, 0, 0]))
     sharper = warp(logits, SamplingParams(temperature=0.5))
     assert torch.allclose(sharper, torch.tensor([16, 9, 4, 1]) / 30)
 

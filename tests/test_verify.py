@@ -17,14 +17,14 @@ import torch
 from typer.testing import CliRunner
 
 from specdec_cli import verify
-from specdec_cli.decoding import engine, sampling
-from specdec_cli.decoding.cache import CachedModel
 from specdec_cli.cli import app
 from specdec_cli.config import load_config
+from specdec_cli.decoding import engine, sampling
+from specdec_cli.decoding.cache import CachedModel
+from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.drafters.model import ModelDrafter
 from specdec_cli.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED
 from specdec_cli.models.pair import load_pair
-from specdec_cli.decoding.params import SamplingParams
 
 PARAMS = SamplingParams(temperature=0.6)  # not 1, so that "warped at T squared" differs from T
 VOCAB = 258  # the tiny pair's byte vocabulary
@@ -44,6 +44,7 @@ def restore_threads():
 
 # ---------------------------------------------------------------- broken variants
 
+
 def residual_without_clamp(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
     leftover = target_probs - draft_probs  # bug: negative mass is kept
     total = leftover.sum(dim=-1, keepdim=True)
@@ -62,7 +63,7 @@ def broken_verify_sampled(inverted_ratio: bool = False, bonus_from_last_draft: b
         passed = (u * p < q) if inverted_ratio else (u * q < p) & (q > 0)
         num_accepted = sampling.accepted_prefix_length(passed)
         bonus_at = gamma - 1 if bonus_from_last_draft and gamma else gamma
-        bonus = target_probs[:, bonus_at:bonus_at + 1]
+        bonus = target_probs[:, bonus_at : bonus_at + 1]
         candidates = torch.cat([sampling.residual(target_probs[:, :gamma], draft_probs), bonus], 1)
         return num_accepted, sampling.sample(candidates[torch.arange(batch), num_accepted], generator)
 
@@ -90,8 +91,11 @@ def report_q_at_squared_temperature(monkeypatch) -> None:
 def patch_rollback(monkeypatch, forget) -> None:
     """CachedModel.rollback forgets forget(n) tokens where asked for n (per row, if given a list)."""
     rollback = CachedModel.rollback
-    monkeypatch.setattr(CachedModel, "rollback", lambda self, n: rollback(
-        self, [forget(count) for count in n] if isinstance(n, list) else forget(n)))
+    monkeypatch.setattr(
+        CachedModel,
+        "rollback",
+        lambda self, n: rollback(self, [forget(count) for count in n] if isinstance(n, list) else forget(n)),
+    )
 
 
 def rollback_one_too_many(monkeypatch) -> None:
@@ -130,6 +134,7 @@ def warp_without_top_k(monkeypatch) -> None:
 
 
 # ---------------------------------------------------------------- statistics
+
 
 def test_pool_bins_merges_rare_categories_and_drops_impossible_ones():
     bins = verify.pool_bins(np.array([10.0, 6.0, 1.0, 1.0, 2.0, 3.0, 0.0, 0.5]))
@@ -198,6 +203,7 @@ def test_at_cut_tells_float_ties_from_tokens_outside_the_support():
 
 # ---------------------------------------------------------------- 1. the sampler
 
+
 def sampler_rows() -> dict[str, verify.Row]:
     rows = verify.check_sampler(VOCAB, PARAMS, 4000, seed=0, significance=SIGNIFICANCE)
     verify.holm(rows, SIGNIFICANCE)
@@ -232,31 +238,42 @@ def test_sampler_check_fails_with_bonus_from_the_wrong_position(monkeypatch):
 
 # ---------------------------------------------------------------- 2-4. the model pair
 
+
 @pytest.fixture
 def pair(write_config):
     return load_pair(load_config(str(write_config(ONE_THREAD))))
 
 
 def model_rows(pair, params: SamplingParams = PARAMS, **blocks) -> list[verify.Row]:
-    rows = verify.check_model(pair, pair.encode(PROMPT), "p", params, RUNS, seed=0, significance=SIGNIFICANCE,
-                              **blocks)
+    rows = verify.check_model(pair, pair.encode(PROMPT), "p", params, RUNS, seed=0, significance=SIGNIFICANCE, **blocks)
     verify.holm(rows, SIGNIFICANCE)
     return rows
 
 
 def test_model_checks_pass_on_the_real_engine(pair):
     rows = model_rows(pair)
-    assert [r.check for r in rows] == ["2 first token", "3 position 2", "3 position 3", "3 position 4",
-                                       "4 tokens 1-4", "4 tokens 5-8"]
+    assert [r.check for r in rows] == [
+        "2 first token",
+        "3 position 2",
+        "3 position 3",
+        "3 position 4",
+        "4 tokens 1-4",
+        "4 tokens 5-8",
+    ]
     assert failing(rows) == []
     assert rows[0].samples == RUNS and rows[-1].samples == 4 * RUNS and all(r.p_value is not None for r in rows)
 
 
-@pytest.mark.parametrize("inject", [
-    pytest.param(report_q_at_squared_temperature, id="draft-warped-differently"),
-    pytest.param(lambda mp: patch_verify(mp, broken_verify_sampled(inverted_ratio=True)), id="min(1,q/p)"),
-    pytest.param(lambda mp: patch_verify(mp, broken_verify_sampled(bonus_from_last_draft=True)), id="bonus-position"),
-])
+@pytest.mark.parametrize(
+    "inject",
+    [
+        pytest.param(report_q_at_squared_temperature, id="draft-warped-differently"),
+        pytest.param(lambda mp: patch_verify(mp, broken_verify_sampled(inverted_ratio=True)), id="min(1,q/p)"),
+        pytest.param(
+            lambda mp: patch_verify(mp, broken_verify_sampled(bonus_from_last_draft=True)), id="bonus-position"
+        ),
+    ],
+)
 def test_model_checks_fail_on_broken_engines(pair, monkeypatch, inject):
     inject(monkeypatch)
     assert failing(model_rows(pair))
@@ -266,8 +283,9 @@ def test_model_checks_fail_on_broken_engines(pair, monkeypatch, inject):
 def test_model_checks_catch_a_bug_after_the_first_block(pair, monkeypatch, inject):
     inject(monkeypatch)
     assert failing(model_rows(pair, blocks=1)) == []  # the first gamma + 1 tokens are still exact
-    assert failing(model_rows(pair)) == ["p: every run's tokens 5-8, ranked in the target's distribution after "
-                                         "the run's own prefix (uniform if exact)"]
+    assert failing(model_rows(pair)) == [
+        "p: every run's tokens 5-8, ranked in the target's distribution after the run's own prefix (uniform if exact)"
+    ]
 
 
 def test_model_checks_tell_float_ties_at_the_top_k_cut_from_a_broken_warp(write_config, monkeypatch):

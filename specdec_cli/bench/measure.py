@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from specdec_cli.decoding.metrics import StepRecord
 
@@ -48,5 +48,3 @@ def _rate(tokens: int, seconds: float) -> float:
 
 # Generates one turn: (prompt ids, seed) -> (new token ids, measure). Used for specdec and for peers.
 TurnGenerator = Callable[[list[int], int], tuple[list[int], Measure]]
-
-

@@ -33,18 +33,23 @@ def hf_drafting(pair: Pair) -> tuple[str, str | None]:
         return HF_LOOKUP, None
     if isinstance(drafter, ModelDrafter):
         # transformers compares the configs' vocab_size and then wants two tokenizers (another algorithm)
-        target_rows, draft_rows = (m.config.get_text_config().vocab_size
-                                   for m in (pair.target.model, drafter.model.model))
+        target_rows, draft_rows = (
+            m.config.get_text_config().vocab_size for m in (pair.target.model, drafter.model.model)
+        )
         if target_rows == draft_rows:
             return HF_ASSISTED, None
-        why = (f"the draft's LM head has {draft_rows} rows and the target's {target_rows} (specdec pads or cuts "
-               f"the draft's logits, transformers refuses)")
+        why = (
+            f"the draft's LM head has {draft_rows} rows and the target's {target_rows} (specdec pads or cuts "
+            f"the draft's logits, transformers refuses)"
+        )
     elif drafter.reads_target_states:
         why = "a feature draft reads the target's hidden states"
     else:
         why = f"it has no counterpart of specdec's {type(drafter).__name__}"
-    return HF_LOOKUP, (f"transformers' assisted generation cannot run this draft: {why}; the hf peer runs "
-                       f"plain generate() and transformers' prompt lookup instead.")
+    return HF_LOOKUP, (
+        f"transformers' assisted generation cannot run this draft: {why}; the hf peer runs "
+        f"plain generate() and transformers' prompt lookup instead."
+    )
 
 
 def peer_caption(drafting: str, note: str | None) -> str:
@@ -66,16 +71,21 @@ def generation_configs(configs: dict[torch.nn.Module, GenerationConfig]):
             model.generation_config = config
 
 
-def hf_generator(pair: Pair, params: SamplingParams, engine: str, gamma: int, max_new_tokens: int,
-                 ignore_eos: bool) -> TurnGenerator:
+def hf_generator(
+    pair: Pair, params: SamplingParams, engine: str, gamma: int, max_new_tokens: int, ignore_eos: bool
+) -> TurnGenerator:
     """generate() as `engine` runs it: plain (gamma 0), with prompt lookup, or with the draft model."""
     transformers.utils.logging.set_verbosity_error()  # assisted generate() warns about its own internal calls
     model = pair.target.model
     # ignore_eos: no EOS ids at all, so the peer samples EOS and carries on as specdec does
     # (min_new_tokens would mask EOS instead, sampling from another distribution)
     eos = [] if ignore_eos else sorted(pair.eos_token_ids)
-    settings = {"max_new_tokens": max_new_tokens, "eos_token_id": eos or None, "pad_token_id": eos[0] if eos else 0,
-                "do_sample": not params.greedy}
+    settings = {
+        "max_new_tokens": max_new_tokens,
+        "eos_token_id": eos or None,
+        "pad_token_id": eos[0] if eos else 0,
+        "do_sample": not params.greedy,
+    }
     if not params.greedy:
         # explicit values even when they disable a warper: generate() fills unset ones with its own
         # defaults (top_k 50), which would sample from a different distribution than specdec
@@ -87,8 +97,9 @@ def hf_generator(pair: Pair, params: SamplingParams, engine: str, gamma: int, ma
     elif gamma and engine == HF_ASSISTED:
         assistant = pair.drafter.model.model
         # the assistant's knobs come from its own generation config: always gamma tokens, never stop early
-        configs[assistant] = GenerationConfig(num_assistant_tokens=gamma, num_assistant_tokens_schedule="constant",
-                                              assistant_confidence_threshold=0.0)
+        configs[assistant] = GenerationConfig(
+            num_assistant_tokens=gamma, num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0
+        )
         extra["assistant_model"] = assistant
     config = GenerationConfig(**settings)
 
@@ -97,12 +108,13 @@ def hf_generator(pair: Pair, params: SamplingParams, engine: str, gamma: int, ma
         input_ids = torch.tensor([prompt_ids], device=pair.device)
         start = time.perf_counter()
         with torch.inference_mode(), generation_configs(configs):
-            output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                    generation_config=config, **extra)
+            output = model.generate(
+                input_ids=input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config, **extra
+            )
         if pair.device.type == "cuda":
             torch.cuda.synchronize(pair.device)
         seconds = time.perf_counter() - start
-        new = output[0, len(prompt_ids):].tolist()
+        new = output[0, len(prompt_ids) :].tolist()
         return new, Measure(len(new), None, seconds, token_ids=new)
 
     return generate

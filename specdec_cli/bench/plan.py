@@ -53,8 +53,9 @@ class Plan:
 
     def batch_modes(self) -> list[tuple[int, Mode]]:
         """(batch size, mode) of the batched runs: target-only and each gamma, per temperature."""
-        return [(b, Mode(t, g)) for b in self.batch_sizes if b > 1 for t in self.temperatures
-                for g in [0] + self.gammas]
+        return [
+            (b, Mode(t, g)) for b in self.batch_sizes if b > 1 for t in self.temperatures for g in [0] + self.gammas
+        ]
 
     def modes(self) -> list[Mode]:
         """Per temperature: the baseline first, then each gamma, then the peer alone and its run of each gamma."""
@@ -67,7 +68,7 @@ class Plan:
 
 
 def parse_list(text: str | None, kind: type, option: str) -> list | None:
-    """"1,2,4" -> [1, 2, 4]; None when the option was not given."""
+    """ "1,2,4" -> [1, 2, 4]; None when the option was not given."""
     if text is None:
         return None
     try:
@@ -79,8 +80,15 @@ def parse_list(text: str | None, kind: type, option: str) -> list | None:
     return list(dict.fromkeys(values))  # drop repeats, keep order
 
 
-def make_plan(cfg: Config, gammas: list[int] | None, temperatures: list[float] | None, repeats: int,
-              warmup: int, peer: str | None, batch_sizes: list[int] | None = None) -> Plan:
+def make_plan(
+    cfg: Config,
+    gammas: list[int] | None,
+    temperatures: list[float] | None,
+    repeats: int,
+    warmup: int,
+    peer: str | None,
+    batch_sizes: list[int] | None = None,
+) -> Plan:
     """Defaults: the config's gamma; greedy and the config's temperature (1.0 if the config is greedy)."""
     gammas = gammas or [cfg.speculation.num_draft_tokens]
     temperatures = temperatures or list(dict.fromkeys([0.0, cfg.sampling.temperature or 1.0]))
@@ -96,8 +104,19 @@ def make_plan(cfg: Config, gammas: list[int] | None, temperatures: list[float] |
     if batch_sizes[0] < 1:
         raise SpecdecError(f"--batch-sizes must be >= 1, got {batch_sizes}")
     s = cfg.sampling
-    return Plan(temperatures, gammas, cfg.generation.max_new_tokens, repeats, warmup, cfg.generation.ignore_eos,
-                s.seed, s.top_k, s.top_p, peer, batch_sizes=batch_sizes)
+    return Plan(
+        temperatures,
+        gammas,
+        cfg.generation.max_new_tokens,
+        repeats,
+        warmup,
+        cfg.generation.ignore_eos,
+        s.seed,
+        s.top_k,
+        s.top_p,
+        peer,
+        batch_sizes=batch_sizes,
+    )
 
 
 def choose_prompts(path: Path | None, category: str | None, limit: int | None) -> list[Prompt]:

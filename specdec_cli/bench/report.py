@@ -14,23 +14,31 @@ from specdec_cli.errors import SpecdecError
 
 OVERALL = "overall"  # the group of all prompts, beside each category
 
-SPEEDUP_FORMULA = ("speedup = mean over prompts of speculative decode tok/s / mean over prompts of target-only "
-                   "decode tok/s (Spec-Bench); decode excludes prefill")
-LEVIATHAN = ("predicted = (1 - α^(γ+1)) / ((1 - α)(γc + 1)) (Leviathan et al. 2023), α = accepted / "
-             "(accepted + rejections), c = draft s per draft token / target-only s per forward, both "
-             "measured here; the formula takes a (γ+1)-token verification to cost one forward, so predicted "
-             "above measured is that extra verification cost plus the loop's overhead")
+SPEEDUP_FORMULA = (
+    "speedup = mean over prompts of speculative decode tok/s / mean over prompts of target-only "
+    "decode tok/s (Spec-Bench); decode excludes prefill"
+)
+LEVIATHAN = (
+    "predicted = (1 - α^(γ+1)) / ((1 - α)(γc + 1)) (Leviathan et al. 2023), α = accepted / "
+    "(accepted + rejections), c = draft s per draft token / target-only s per forward, both "
+    "measured here; the formula takes a (γ+1)-token verification to cost one forward, so predicted "
+    "above measured is that extra verification cost plus the loop's overhead"
+)
 
-PEER_FAIRNESS = ("Fair by construction: transformers generate() runs the same loaded models (same weights, dtype, "
-                 "device, threads) on the same encoded prompts with the same max_new_tokens, EOS ids, sampling "
-                 "settings, seed and warm-up, and nothing from the checkpoint's generation_config (repetition "
-                 "penalty and the like), which specdec does not apply either; with ignore_eos neither side has EOS "
-                 "ids: both sample EOS and carry on. Both sides are timed end-to-end (prefill + decode) because "
-                 "generate() does not time them apart. Each peer stands beside specdec's speculative run at the "
-                 "same temperature; hf target only is plain generate().")
-LOOKUP_NOTE = ("hf prompt lookup is transformers' n-gram drafter, not specdec's: it copies what followed the "
-               "earliest match of the longest suffix n-gram (max_n down to 1, ignoring min_n), specdec's what "
-               "followed the most recent match, so drafts and acceptance differ.")
+PEER_FAIRNESS = (
+    "Fair by construction: transformers generate() runs the same loaded models (same weights, dtype, "
+    "device, threads) on the same encoded prompts with the same max_new_tokens, EOS ids, sampling "
+    "settings, seed and warm-up, and nothing from the checkpoint's generation_config (repetition "
+    "penalty and the like), which specdec does not apply either; with ignore_eos neither side has EOS "
+    "ids: both sample EOS and carry on. Both sides are timed end-to-end (prefill + decode) because "
+    "generate() does not time them apart. Each peer stands beside specdec's speculative run at the "
+    "same temperature; hf target only is plain generate()."
+)
+LOOKUP_NOTE = (
+    "hf prompt lookup is transformers' n-gram drafter, not specdec's: it copies what followed the "
+    "earliest match of the longest suffix n-gram (max_n down to 1, ignoring min_n), specdec's what "
+    "followed the most recent match, so drafts and acceptance differ."
+)
 
 
 @dataclass
@@ -62,8 +70,7 @@ def category_report(summary: list[dict]) -> Report:
     header = ["category", "γ"]
     for t in temperatures:
         name = temperature_label(t)
-        header += [f"{name} base tok/s", f"{name} spec tok/s", f"{name} speedup", f"{name} acc len",
-                   f"{name} acc rate"]
+        header += [f"{name} base tok/s", f"{name} spec tok/s", f"{name} speedup", f"{name} acc len", f"{name} acc rate"]
     rows = []
     by_key = {(r["group"], r["gamma"], r["temperature"]): r for r in summary}
     groups = sorted({r["group"] for r in summary} - {OVERALL}) + [OVERALL]
@@ -72,12 +79,22 @@ def category_report(summary: list[dict]) -> Report:
             cells = [group, str(gamma)]
             for t in temperatures:
                 r = by_key.get((group, gamma, t))
-                cells += (["n/a"] * 5 if r is None else [
-                    f"{r['baseline_tokens_per_second'][0]:.1f}", f"{r['speculative_tokens_per_second'][0]:.1f}",
-                    f"{r['speedup'][0]:.2f}×", fmt(r["mean_accepted_length"]), fmt(r["acceptance_rate"], ".0%")])
+                cells += (
+                    ["n/a"] * 5
+                    if r is None
+                    else [
+                        f"{r['baseline_tokens_per_second'][0]:.1f}",
+                        f"{r['speculative_tokens_per_second'][0]:.1f}",
+                        f"{r['speedup'][0]:.2f}×",
+                        fmt(r["mean_accepted_length"]),
+                        fmt(r["acceptance_rate"], ".0%"),
+                    ]
+                )
             rows.append(cells)
-    caption = (f"{SPEEDUP_FORMULA}. acc len = mean accepted length: tokens per target forward, incl. the "
-               f"bonus/recovered token (target-only = 1). acc rate = accepted / drafted.")
+    caption = (
+        f"{SPEEDUP_FORMULA}. acc len = mean accepted length: tokens per target forward, incl. the "
+        f"bonus/recovered token (target-only = 1). acc rate = accepted / drafted."
+    )
     return Report("Speedup by category", header, rows, caption)
 
 
@@ -96,63 +113,116 @@ def detail_report(summary: list[dict]) -> Report:
         ("acceptance by draft position", lambda r: " ".join(fmt(p, ".2f") for p in r["acceptance_by_position"])),
         ("time drafting (vs verifying)", lambda r: fmt(r["draft_time_share"], ".1%")),
         ("cost ratio c", lambda r: fmt(r["cost_ratio"], ".3f")),
-        ("greedy output = target-only's", lambda r: "n/a" if r.get("greedy_identical") is None
-         else f"{r['greedy_identical']}/{r['prompts']} prompts"),
-        ("prefill s per prompt, base / spec", lambda r: f"{fmt(r['baseline_prefill_seconds'], '.3f')} / "
-                                                       f"{fmt(r['speculative_prefill_seconds'], '.3f')}"),
+        (
+            "greedy output = target-only's",
+            lambda r: "n/a" if r.get("greedy_identical") is None else f"{r['greedy_identical']}/{r['prompts']} prompts",
+        ),
+        (
+            "prefill s per prompt, base / spec",
+            lambda r: f"{fmt(r['baseline_prefill_seconds'], '.3f')} / {fmt(r['speculative_prefill_seconds'], '.3f')}",
+        ),
     ]
     rows = [[name] + [cell(r) for r in overall] for name, cell in metrics]
     return Report("Overall", ["metric"] + [_mode(r) for r in overall], rows, LEVIATHAN)
 
 
 def peer_report(peers: list[dict], caption: str) -> Report:
-    rows = [[temperature_label(r["temperature"]),
-             f"{r['engine']} target only" if r["gamma"] == 0 else f"{r['engine']} γ={r['gamma']}",
-             f"γ={r['specdec_gamma']}", str(r["prompts"]), spread(r["peer_tokens_per_second"]),
-             spread(r["specdec_tokens_per_second"]),
-             f"{r['specdec_tokens_per_second'][0] / r['peer_tokens_per_second'][0]:.2f}×"
-             if r["peer_tokens_per_second"][0] else "n/a",
-             "n/a" if r["greedy_identical"] is None else f"{r['greedy_identical']}/{r['prompts']}"] for r in peers]
-    header = ["temperature", "peer", "specdec", "prompts", "peer tok/s", "specdec tok/s", "specdec / peer",
-              "same greedy tokens"]
+    rows = [
+        [
+            temperature_label(r["temperature"]),
+            f"{r['engine']} target only" if r["gamma"] == 0 else f"{r['engine']} γ={r['gamma']}",
+            f"γ={r['specdec_gamma']}",
+            str(r["prompts"]),
+            spread(r["peer_tokens_per_second"]),
+            spread(r["specdec_tokens_per_second"]),
+            f"{r['specdec_tokens_per_second'][0] / r['peer_tokens_per_second'][0]:.2f}×"
+            if r["peer_tokens_per_second"][0]
+            else "n/a",
+            "n/a" if r["greedy_identical"] is None else f"{r['greedy_identical']}/{r['prompts']}",
+        ]
+        for r in peers
+    ]
+    header = [
+        "temperature",
+        "peer",
+        "specdec",
+        "prompts",
+        "peer tok/s",
+        "specdec tok/s",
+        "specdec / peer",
+        "same greedy tokens",
+    ]
     return Report("Peers (end-to-end tok/s, prefill + decode)", header, rows, caption)
 
 
-BATCH_NOTE = ("Per batch size: the prompts in consecutive batches of that size, target alone and speculative "
-              "through the same loop. total tok/s = all new tokens / all decode wall time; per sequence = "
-              "total / batch size; speedup = speculative total / target-only total at that batch size. "
-              "crossover = the smallest measured batch size whose speedup is below 1.")
+BATCH_NOTE = (
+    "Per batch size: the prompts in consecutive batches of that size, target alone and speculative "
+    "through the same loop. total tok/s = all new tokens / all decode wall time; per sequence = "
+    "total / batch size; speedup = speculative total / target-only total at that batch size. "
+    "crossover = the smallest measured batch size whose speedup is below 1."
+)
 
 
 def batch_report(rows: list[dict]) -> Report:
-    header = ["batch", "mode", "target-only tok/s", "speculative tok/s", "per sequence", "speedup",
-              "acc len", "acc len (vLLM)", "acceptance by position", "drafting", "crossover"]
-    table = [[str(r["batch_size"]), _mode(r), spread(r["baseline_tokens_per_second"]),
-              spread(r["speculative_tokens_per_second"]), spread(r["speculative_tokens_per_second_per_sequence"]),
-              spread(r["speedup"], ".2f") + "×", fmt(r["mean_accepted_length"]), fmt(r["vllm_mean_acceptance_length"]),
-              " ".join(fmt(p, ".2f") for p in r["acceptance_by_position"]), fmt(r["draft_time_share"], ".0%"),
-              "none measured" if r["crossover_batch_size"] is None else f"batch {r['crossover_batch_size']}"]
-             for r in rows]
+    header = [
+        "batch",
+        "mode",
+        "target-only tok/s",
+        "speculative tok/s",
+        "per sequence",
+        "speedup",
+        "acc len",
+        "acc len (vLLM)",
+        "acceptance by position",
+        "drafting",
+        "crossover",
+    ]
+    table = [
+        [
+            str(r["batch_size"]),
+            _mode(r),
+            spread(r["baseline_tokens_per_second"]),
+            spread(r["speculative_tokens_per_second"]),
+            spread(r["speculative_tokens_per_second_per_sequence"]),
+            spread(r["speedup"], ".2f") + "×",
+            fmt(r["mean_accepted_length"]),
+            fmt(r["vllm_mean_acceptance_length"]),
+            " ".join(fmt(p, ".2f") for p in r["acceptance_by_position"]),
+            fmt(r["draft_time_share"], ".0%"),
+            "none measured" if r["crossover_batch_size"] is None else f"batch {r['crossover_batch_size']}",
+        ]
+        for r in rows
+    ]
     return Report("Batch sizes", header, table, BATCH_NOTE)
 
 
-COMPARED = [("target-only tok/s", "baseline_tokens_per_second"), ("speculative tok/s", "speculative_tokens_per_second"),
-            ("speedup", "speedup"), ("mean accepted length", "mean_accepted_length")]
+COMPARED = [
+    ("target-only tok/s", "baseline_tokens_per_second"),
+    ("speculative tok/s", "speculative_tokens_per_second"),
+    ("speedup", "speedup"),
+    ("mean accepted length", "mean_accepted_length"),
+]
 
 
 def compare_report(a: dict, b: dict, names: tuple[str, str]) -> Report:
     """Two records side by side: overall rows matched by (temperature, gamma), batch-size rows by
     (batch size, temperature, gamma) where both records measured batches."""
+
     def overall(record: dict) -> dict:
         return {(r["temperature"], r["gamma"]): r for r in record["summary"] if r["group"] == OVERALL}
 
     def batches(record: dict) -> dict:
-        return {(r["batch_size"], r["temperature"], r["gamma"]): r for r in record.get("batch_summary", [])
-                if r["batch_size"] > 1}
+        return {
+            (r["batch_size"], r["temperature"], r["gamma"]): r
+            for r in record.get("batch_summary", [])
+            if r["batch_size"] > 1
+        }
 
     rows = []
-    for index, fields, label in ((overall, COMPARED + [("acceptance rate", "acceptance_rate")], _mode),
-                                 (batches, COMPARED, lambda r: f"batch {r['batch_size']}, {_mode(r)}")):
+    for index, fields, label in (
+        (overall, COMPARED + [("acceptance rate", "acceptance_rate")], _mode),
+        (batches, COMPARED, lambda r: f"batch {r['batch_size']}, {_mode(r)}"),
+    ):
         rows_b = index(b)
         for key, ra in index(a).items():
             if key in rows_b:
@@ -160,9 +230,13 @@ def compare_report(a: dict, b: dict, names: tuple[str, str]) -> Report:
                     va, vb = _value(ra[field]), _value(rows_b[key][field])
                     ratio = fmt(vb / va if va and vb is not None else None, ".2f", "×")
                     rows.append([label(ra), name, fmt(va, ".3f"), fmt(vb, ".3f"), ratio])
-    return Report("Compare", ["mode", "metric", names[0], names[1], "B / A"], rows,
-                  f"A: {a['name']} ({a['timestamp']}), B: {b['name']} ({b['timestamp']}); tok/s and speedup are "
-                  f"medians over repeats")
+    return Report(
+        "Compare",
+        ["mode", "metric", names[0], names[1], "B / A"],
+        rows,
+        f"A: {a['name']} ({a['timestamp']}), B: {b['name']} ({b['timestamp']}); tok/s and speedup are "
+        f"medians over repeats",
+    )
 
 
 def _value(x) -> float | None:
@@ -179,17 +253,26 @@ def rich_table(report: Report) -> Table:
 
 
 def markdown(report: Report) -> str:
-    lines = [f"## {report.title}", "", "| " + " | ".join(report.header) + " |",
-             "|" + "|".join(["---"] + ["---:"] * (len(report.header) - 1)) + "|"]
+    lines = [
+        f"## {report.title}",
+        "",
+        "| " + " | ".join(report.header) + " |",
+        "|" + "|".join(["---"] + ["---:"] * (len(report.header) - 1)) + "|",
+    ]
     lines += ["| " + " | ".join(row) + " |" for row in report.rows]
-    return "\n".join(lines + ([ "", report.caption] if report.caption else []) + [""])
+    return "\n".join(lines + (["", report.caption] if report.caption else []) + [""])
 
 
 def markdown_document(record: dict, reports: list[Report]) -> str:
     partial = " (partial: interrupted)" if record["partial"] else ""
-    head = [f"# specdec benchmark: {record['name']}{partial}", "",
-            f"{record['timestamp']}; {environment_caption(record['environment'])}", "",
-            f"Settings: {record['settings']}", ""]
+    head = [
+        f"# specdec benchmark: {record['name']}{partial}",
+        "",
+        f"{record['timestamp']}; {environment_caption(record['environment'])}",
+        "",
+        f"Settings: {record['settings']}",
+        "",
+    ]
     return "\n".join(head) + "\n" + "\n".join(markdown(r) for r in reports)
 
 
@@ -208,7 +291,10 @@ def load_record(path: Path) -> dict:
 def compare(a: Path, b: Path, as_json: bool) -> None:
     table = compare_report(load_record(a), load_record(b), (f"A: {a}", f"B: {b}"))
     if as_json:
-        print(records.dumps({"command": "benchmark-compare", "a": str(a), "b": str(b), "header": table.header,
-                             "rows": table.rows}))
+        print(
+            records.dumps(
+                {"command": "benchmark-compare", "a": str(a), "b": str(b), "header": table.header, "rows": table.rows}
+            )
+        )
     else:
         display.stdout.print(rich_table(table))

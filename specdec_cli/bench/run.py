@@ -6,8 +6,8 @@ the next turn, and all turns count (as in Spec-Bench): a prompt's numbers are it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable
 
 from specdec_cli.bench.measure import Measure, TurnGenerator
 from specdec_cli.bench.plan import SPECDEC, Mode, Plan
@@ -18,8 +18,9 @@ WARMUP_TOKENS = 32  # enough for one-time costs (allocations, thread pools); not
 
 
 def specdec_generator(pair: Pair, mode: Mode, plan: Plan, max_new_tokens: int) -> TurnGenerator:
-    decoder = pair.decoder(plan.params(mode.temperature), speculative=mode.gamma > 0,
-                           num_draft_tokens=mode.gamma or None)
+    decoder = pair.decoder(
+        plan.params(mode.temperature), speculative=mode.gamma > 0, num_draft_tokens=mode.gamma or None
+    )
 
     def generate(prompt_ids: list[int], seed: int) -> tuple[list[int], Measure]:
         r = decoder.generate(prompt_ids, max_new_tokens, seed, ignore_eos=plan.ignore_eos)
@@ -31,8 +32,10 @@ def specdec_generator(pair: Pair, mode: Mode, plan: Plan, max_new_tokens: int) -
 def make_generator(pair: Pair, mode: Mode, plan: Plan, max_new_tokens: int) -> TurnGenerator:
     if mode.engine != SPECDEC:
         from specdec_cli.bench.peers import hf_generator
-        return hf_generator(pair, plan.params(mode.temperature), mode.engine, mode.gamma, max_new_tokens,
-                            plan.ignore_eos)
+
+        return hf_generator(
+            pair, plan.params(mode.temperature), mode.engine, mode.gamma, max_new_tokens, plan.ignore_eos
+        )
     return specdec_generator(pair, mode, plan, max_new_tokens)
 
 
@@ -53,8 +56,9 @@ def run_prompt(pair: Pair, prompt: Prompt, generate: TurnGenerator, plan: Plan) 
 OnRun = Callable[[int, int, Prompt, Mode], None]
 
 
-def run_benchmark(pair: Pair, prompts: list[Prompt], plan: Plan, on_run: OnRun | None = None
-                  ) -> tuple[list[dict], bool]:
+def run_benchmark(
+    pair: Pair, prompts: list[Prompt], plan: Plan, on_run: OnRun | None = None
+) -> tuple[list[dict], bool]:
     """Measure every prompt in every mode. Returns (runs, partial): Ctrl-C stops early and keeps only
     the prompts measured in every mode, so baselines and speculative runs cover the same prompts."""
     modes = plan.modes()
@@ -73,9 +77,16 @@ def run_benchmark(pair: Pair, prompts: list[Prompt], plan: Plan, on_run: OnRun |
                 if on_run:
                     on_run(i, len(prompts), prompt, mode)
                 measures = [run_prompt(pair, prompt, generators[mode], plan) for _ in range(plan.repeats)]
-                prompt_runs.append({"prompt_id": prompt.id, "category": prompt.category,
-                                    "temperature": mode.temperature, "gamma": mode.gamma, "engine": mode.engine,
-                                    "repeats": [m.to_dict() for m in measures]})
+                prompt_runs.append(
+                    {
+                        "prompt_id": prompt.id,
+                        "category": prompt.category,
+                        "temperature": mode.temperature,
+                        "gamma": mode.gamma,
+                        "engine": mode.engine,
+                        "repeats": [m.to_dict() for m in measures],
+                    }
+                )
             runs += prompt_runs
     except KeyboardInterrupt:
         return runs, True
@@ -85,11 +96,17 @@ def run_benchmark(pair: Pair, prompts: list[Prompt], plan: Plan, on_run: OnRun |
 def run_batch(pair: Pair, prompts: list[Prompt], mode: Mode, plan: Plan, seed: int) -> dict:
     """One batch: the prompts decoded together, turn by turn (turn k of every prompt that has one, each
     row seeing its own earlier turns and answers). Wall times are the batch's; steps and tokens all rows'."""
-    decoder = pair.decoder(plan.params(mode.temperature), speculative=mode.gamma > 0,
-                           num_draft_tokens=mode.gamma or None)
+    decoder = pair.decoder(
+        plan.params(mode.temperature), speculative=mode.gamma > 0, num_draft_tokens=mode.gamma or None
+    )
     histories: list[list[dict]] = [[] for _ in prompts]
-    total = {"new_tokens": 0, "prefill_seconds": 0.0, "decode_seconds": 0.0, "steps": [],
-             "token_ids": [[] for _ in prompts]}
+    total = {
+        "new_tokens": 0,
+        "prefill_seconds": 0.0,
+        "decode_seconds": 0.0,
+        "steps": [],
+        "token_ids": [[] for _ in prompts],
+    }
     for turn in range(max(len(p.turns) for p in prompts)):
         rows = [i for i, p in enumerate(prompts) if turn < len(p.turns)]
         encoded = [pair.encode(prompts[i].turns[turn], history=histories[i]) for i in rows]
@@ -103,8 +120,10 @@ def run_batch(pair: Pair, prompts: list[Prompt], mode: Mode, plan: Plan, seed: i
             total["token_ids"][i] += r.token_ids
             total["steps"] += [[s.drafted, s.accepted, s.emitted, s.draft_seconds, s.verify_seconds] for s in r.steps]
             answer = pair.tokenizer.decode(r.token_ids, skip_special_tokens=True)
-            histories[i] += [{"role": "user", "content": prompts[i].turns[turn]},
-                             {"role": "assistant", "content": answer}]
+            histories[i] += [
+                {"role": "user", "content": prompts[i].turns[turn]},
+                {"role": "assistant", "content": answer},
+            ]
     return total
 
 
@@ -112,8 +131,9 @@ def run_batch(pair: Pair, prompts: list[Prompt], mode: Mode, plan: Plan, seed: i
 OnBatch = Callable[[int, Mode, int, int], None]
 
 
-def run_batches(pair: Pair, prompts: list[Prompt], plan: Plan, on_batch: OnBatch | None = None
-                ) -> tuple[list[dict], bool]:
+def run_batches(
+    pair: Pair, prompts: list[Prompt], plan: Plan, on_batch: OnBatch | None = None
+) -> tuple[list[dict], bool]:
     """Every batch size above 1 of the plan: the prompts in consecutive batches of that size, target
     alone and speculative, `repeats` times each, after a short warm-up batch per mode. Returns (runs,
     partial): Ctrl-C stops early, and the summary compares only batches measured in both modes."""
@@ -122,16 +142,22 @@ def run_batches(pair: Pair, prompts: list[Prompt], plan: Plan, on_batch: OnBatch
     try:
         for size, mode in plan.batch_modes():
             for _ in range(plan.warmup):
-                run_batch(pair, [Prompt(p.id, p.category, p.turns[:1]) for p in prompts[:size]], mode, warmup,
-                          plan.seed)
+                run_batch(
+                    pair, [Prompt(p.id, p.category, p.turns[:1]) for p in prompts[:size]], mode, warmup, plan.seed
+                )
             for start in range(0, len(prompts), size):
                 if on_batch:
                     on_batch(size, mode, start, len(prompts))
-                group = prompts[start:start + size]
-                runs.append({"batch_size": size, "temperature": mode.temperature, "gamma": mode.gamma,
-                             "prompt_ids": [p.id for p in group],
-                             "repeats": [run_batch(pair, group, mode, plan, plan.seed + start)
-                                         for _ in range(plan.repeats)]})
+                group = prompts[start : start + size]
+                runs.append(
+                    {
+                        "batch_size": size,
+                        "temperature": mode.temperature,
+                        "gamma": mode.gamma,
+                        "prompt_ids": [p.id for p in group],
+                        "repeats": [run_batch(pair, group, mode, plan, plan.seed + start) for _ in range(plan.repeats)],
+                    }
+                )
     except KeyboardInterrupt:
         return runs, True
     return runs, False

@@ -7,10 +7,19 @@ import statistics
 
 from specdec_cli.bench.plan import SPECDEC
 from specdec_cli.bench.report import OVERALL, temperature_label
-from specdec_cli.decoding.metrics import (StepRecord, acceptance_by_position, acceptance_rate, cost_ratio,
-                                          draft_time_share, mean_accepted_length, median_and_spread,
-                                          per_token_acceptance, predicted_speedup, speedup,
-                                          vllm_mean_acceptance_length)
+from specdec_cli.decoding.metrics import (
+    StepRecord,
+    acceptance_by_position,
+    acceptance_rate,
+    cost_ratio,
+    draft_time_share,
+    mean_accepted_length,
+    median_and_spread,
+    per_token_acceptance,
+    predicted_speedup,
+    speedup,
+    vllm_mean_acceptance_length,
+)
 
 
 def steps_of(run: dict) -> list[StepRecord]:
@@ -43,9 +52,14 @@ def summarize_mode(baseline: list[dict], speculative: list[dict], gamma: int) ->
     drafting = [s for s in spec_steps if s.drafted]
     drafted = sum(s.drafted for s in drafting)
     target_forwards = len(base_steps)
-    c = (cost_ratio(sum(s.draft_seconds for s in drafting) / drafted,
-                    sum(s.verify_seconds for s in base_steps) / target_forwards)
-         if drafted and target_forwards else None)
+    c = (
+        cost_ratio(
+            sum(s.draft_seconds for s in drafting) / drafted,
+            sum(s.verify_seconds for s in base_steps) / target_forwards,
+        )
+        if drafted and target_forwards
+        else None
+    )
     alpha = per_token_acceptance(spec_steps)
     return {
         "prompts": len(speculative),
@@ -79,10 +93,13 @@ def _mean_prefill(runs: list[dict]) -> float | None:
     return statistics.fmean(values) if values and None not in values else None
 
 
-def _by_prompt(runs: list[dict], engine: str, temperature: float, gamma: int, group: str = OVERALL
-               ) -> dict[str, dict]:
-    return {r["prompt_id"]: r for r in runs if (r["engine"], r["temperature"], r["gamma"]) == (engine, temperature, gamma)
-            and group in (OVERALL, r["category"])}
+def _by_prompt(runs: list[dict], engine: str, temperature: float, gamma: int, group: str = OVERALL) -> dict[str, dict]:
+    return {
+        r["prompt_id"]: r
+        for r in runs
+        if (r["engine"], r["temperature"], r["gamma"]) == (engine, temperature, gamma)
+        and group in (OVERALL, r["category"])
+    }
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -98,8 +115,13 @@ def summarize(runs: list[dict]) -> list[dict]:
                 spec = _by_prompt(specdec, SPECDEC, temperature, gamma, group)
                 ids = [i for i in spec if i in base]
                 if ids:
-                    out.append({"group": group, "temperature": temperature,
-                                **summarize_mode([base[i] for i in ids], [spec[i] for i in ids], gamma)})
+                    out.append(
+                        {
+                            "group": group,
+                            "temperature": temperature,
+                            **summarize_mode([base[i] for i in ids], [spec[i] for i in ids], gamma),
+                        }
+                    )
     return out
 
 
@@ -110,19 +132,27 @@ def summarize_peers(runs: list[dict]) -> list[dict]:
     out = []
     key = "end_to_end_tokens_per_second"
     gammas = sorted({r["gamma"] for r in runs if r["engine"] == SPECDEC} - {0})
-    for temperature, gamma, engine in sorted({(r["temperature"], r["gamma"], r["engine"])
-                                              for r in runs if r["engine"] != SPECDEC}):
+    for temperature, gamma, engine in sorted(
+        {(r["temperature"], r["gamma"], r["engine"]) for r in runs if r["engine"] != SPECDEC}
+    ):
         peers = _by_prompt(runs, engine, temperature, gamma)
         for specdec_gamma in [gamma] if gamma else gammas:
             ours = _by_prompt(runs, SPECDEC, temperature, specdec_gamma)
             ids = [i for i in peers if i in ours]
             if ids:
                 ours_runs, peer_runs = [ours[i] for i in ids], [peers[i] for i in ids]
-                out.append({"engine": engine, "temperature": temperature, "gamma": gamma,
-                            "specdec_gamma": specdec_gamma, "prompts": len(ids),
-                            "specdec_tokens_per_second": _mean_tps(ours_runs, key),
-                            "peer_tokens_per_second": _mean_tps(peer_runs, key),
-                            "greedy_identical": greedy_identical(ours_runs, peer_runs)})
+                out.append(
+                    {
+                        "engine": engine,
+                        "temperature": temperature,
+                        "gamma": gamma,
+                        "specdec_gamma": specdec_gamma,
+                        "prompts": len(ids),
+                        "specdec_tokens_per_second": _mean_tps(ours_runs, key),
+                        "peer_tokens_per_second": _mean_tps(peer_runs, key),
+                        "greedy_identical": greedy_identical(ours_runs, peer_runs),
+                    }
+                )
     return out
 
 
@@ -136,8 +166,9 @@ def gate_failures(summary: list[dict], min_speedup: float | None, min_accept_len
             failures.append(f"speedup {measured:.2f} < {min_speedup:g} ({mode})")
         length = row["mean_accepted_length"]
         if min_accept_length is not None and (length is None or length < min_accept_length):
-            failures.append(f"mean accepted length {length if length is None else f'{length:.2f}'} "
-                            f"< {min_accept_length:g} ({mode})")
+            failures.append(
+                f"mean accepted length {length if length is None else f'{length:.2f}'} < {min_accept_length:g} ({mode})"
+            )
     return failures
 
 
@@ -155,9 +186,11 @@ def _batch_groups(runs: list[dict], batch_runs: list[dict]) -> dict[tuple, list[
 def _total_tps(runs: list[dict]) -> list[float]:
     """Per repeat: all tokens over all decode wall time (a batch's rows decode at the same time)."""
     repeats = min(len(r["repeats"]) for r in runs)
-    return [sum(r["repeats"][i]["new_tokens"] for r in runs) / max(sum(r["repeats"][i]["decode_seconds"]
-                                                                       for r in runs), 1e-9)
-            for i in range(repeats)]
+    return [
+        sum(r["repeats"][i]["new_tokens"] for r in runs)
+        / max(sum(r["repeats"][i]["decode_seconds"] for r in runs), 1e-9)
+        for i in range(repeats)
+    ]
 
 
 def summarize_batches(runs: list[dict], batch_runs: list[dict]) -> list[dict]:
@@ -172,19 +205,26 @@ def summarize_batches(runs: list[dict], batch_runs: list[dict]) -> list[dict]:
             continue
         base_tps, spec_tps = _total_tps(base), _total_tps(spec)
         steps = [s for r in spec for s in steps_of(r)]
-        out.append({
-            "batch_size": size, "temperature": temperature, "gamma": gamma,
-            "baseline_tokens_per_second": median_and_spread(base_tps),
-            "speculative_tokens_per_second": median_and_spread(spec_tps),
-            "speculative_tokens_per_second_per_sequence": median_and_spread([t / size for t in spec_tps]),
-            "speedup": median_and_spread([s / b for b, s in zip(base_tps, spec_tps)]),
-            "mean_accepted_length": mean_accepted_length(steps),
-            "vllm_mean_acceptance_length": vllm_mean_acceptance_length(steps),
-            "acceptance_by_position": acceptance_by_position(steps, gamma),
-            "draft_time_share": draft_time_share(steps),
-        })
+        out.append(
+            {
+                "batch_size": size,
+                "temperature": temperature,
+                "gamma": gamma,
+                "baseline_tokens_per_second": median_and_spread(base_tps),
+                "speculative_tokens_per_second": median_and_spread(spec_tps),
+                "speculative_tokens_per_second_per_sequence": median_and_spread([t / size for t in spec_tps]),
+                "speedup": median_and_spread([s / b for b, s in zip(base_tps, spec_tps)]),
+                "mean_accepted_length": mean_accepted_length(steps),
+                "vllm_mean_acceptance_length": vllm_mean_acceptance_length(steps),
+                "acceptance_by_position": acceptance_by_position(steps, gamma),
+                "draft_time_share": draft_time_share(steps),
+            }
+        )
     for row in out:
-        slower = [r["batch_size"] for r in out if (r["temperature"], r["gamma"]) == (row["temperature"], row["gamma"])
-                  and r["speedup"][0] < 1]
+        slower = [
+            r["batch_size"]
+            for r in out
+            if (r["temperature"], r["gamma"]) == (row["temperature"], row["gamma"]) and r["speedup"][0] < 1
+        ]
         row["crossover_batch_size"] = min(slower, default=None)
     return out

@@ -60,7 +60,7 @@ class RaggedLayer(CacheLayerMixin):
         at = self.owner.write_positions[:, None, :, None]  # [B, 1, n, 1]
         self.keys.scatter_(2, at.expand_as(key_states), key_states)
         self.values.scatter_(2, at.expand_as(value_states), value_states)
-        return self.keys[:, :, :self.owner.visible], self.values[:, :, :self.owner.visible]
+        return self.keys[:, :, : self.owner.visible], self.values[:, :, : self.owner.visible]
 
     def keep(self, rows: torch.Tensor) -> None:
         if self.is_initialized:
@@ -93,9 +93,11 @@ class CachedModel:
         config = model.config.get_text_config()
         unsupported = set(getattr(config, "layer_types", None) or ()) - ATTENTION_LAYERS
         if unsupported:
-            raise SpecdecError(f"{config.model_type} has {', '.join(sorted(unsupported))} layers, whose "
-                               f"state cannot be rolled back to an accepted prefix: speculative decoding needs "
-                               f"attention layers only")
+            raise SpecdecError(
+                f"{config.model_type} has {', '.join(sorted(unsupported))} layers, whose "
+                f"state cannot be rolled back to an accepted prefix: speculative decoding needs "
+                f"attention layers only"
+            )
         self.model = model
         self.vocab_size = vocab_size
         self.device = model.device
@@ -115,8 +117,15 @@ class CachedModel:
         self.lengths = [0] * batch
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor | None = None, *, inputs_embeds: torch.Tensor | None = None,
-                counts: list[int] | None = None, last_only: bool = False, hidden: bool = False) -> Output:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        *,
+        inputs_embeds: torch.Tensor | None = None,
+        counts: list[int] | None = None,
+        last_only: bool = False,
+        hidden: bool = False,
+    ) -> Output:
         """Append input_ids [B, n] (or their input vectors [B, n, width]) to the rows. `counts`: how
         many of a row's n inputs are real (default all); the rest, at the end, are padding, written
         and then forgotten. With `last_only` the logits are each row's at its last real input."""
@@ -127,9 +136,16 @@ class CachedModel:
         self.cache.write_positions = positions
         self.cache.visible = max(self.lengths) + n
         ragged = min(counts) < n
-        out = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=positions,
-                         attention_mask=self.mask(positions), cache=self.cache, use_cache=True,
-                         output_hidden_states=hidden, logits_to_keep=1 if last_only and not ragged else 0)
+        out = self.model(
+            input_ids=input_ids,
+            inputs_embeds=inputs_embeds,
+            position_ids=positions,
+            attention_mask=self.mask(positions),
+            cache=self.cache,
+            use_cache=True,
+            output_hidden_states=hidden,
+            logits_to_keep=1 if last_only and not ragged else 0,
+        )
         self.lengths = [length + count for length, count in zip(self.lengths, counts)]
         logits = out.logits
         if last_only and ragged:

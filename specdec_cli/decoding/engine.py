@@ -9,18 +9,24 @@ context except its last token, which is the first input of the next block.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from specdec_cli.decoding.cache import CachedModel, right_padded
-from specdec_cli.decoding.metrics import (StepRecord, acceptance_by_position, acceptance_rate, draft_time_share,
-                                          mean_accepted_length, vllm_mean_acceptance_length)
+from specdec_cli.decoding.metrics import (
+    StepRecord,
+    acceptance_by_position,
+    acceptance_rate,
+    draft_time_share,
+    mean_accepted_length,
+    vllm_mean_acceptance_length,
+)
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.decoding.sampling import verify_greedy, verify_sampled, warp
 from specdec_cli.drafters.base import Drafter
-
 
 # called after each block with the tokens it added and how many of them were accepted draft tokens
 OnTokens = Callable[[list[int], int], None]
@@ -29,8 +35,11 @@ OnTokens = Callable[[list[int], int], None]
 def combined(batches: list[list[GenerationResult]]) -> GenerationResult:
     """The rows of one or more batches as one result: their tokens and steps, and the batches' wall
     times (the rows of a batch share its prefill and decode at the same time)."""
-    total = GenerationResult(prompt_ids=[], prefill_seconds=sum(rows[0].prefill_seconds for rows in batches),
-                             decode_seconds=sum(max(r.decode_seconds for r in rows) for rows in batches))
+    total = GenerationResult(
+        prompt_ids=[],
+        prefill_seconds=sum(rows[0].prefill_seconds for rows in batches),
+        decode_seconds=sum(max(r.decode_seconds for r in rows) for rows in batches),
+    )
     results = [r for rows in batches for r in rows]
     for r in results:
         total.token_ids += r.token_ids
@@ -105,8 +114,14 @@ class Clock:
 class SpeculativeDecoder:
     """Generates from `target`, drafting with `drafter` (None: the target alone, one token per forward)."""
 
-    def __init__(self, target: CachedModel, drafter: Drafter | None, params: SamplingParams,
-                 num_draft_tokens: int, eos_token_ids: set[int]):
+    def __init__(
+        self,
+        target: CachedModel,
+        drafter: Drafter | None,
+        params: SamplingParams,
+        num_draft_tokens: int,
+        eos_token_ids: set[int],
+    ):
         self.target = target
         self.drafter = drafter
         self.params = params
@@ -114,12 +129,24 @@ class SpeculativeDecoder:
         self.eos_token_ids = eos_token_ids
         self.clock = Clock(target.device)
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int,
-                 ignore_eos: bool = False, on_tokens: OnTokens | None = None) -> GenerationResult:
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        seed: int,
+        ignore_eos: bool = False,
+        on_tokens: OnTokens | None = None,
+    ) -> GenerationResult:
         return self.generate_batch([prompt_ids], max_new_tokens, seed, ignore_eos, on_tokens)[0]
 
-    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int, seed: int, ignore_eos: bool = False,
-                       on_tokens: OnTokens | None = None) -> list[GenerationResult]:
+    def generate_batch(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        seed: int,
+        ignore_eos: bool = False,
+        on_tokens: OnTokens | None = None,
+    ) -> list[GenerationResult]:
         """Decode the prompts together, one row each. Every row accepts its own number of drafts per
         block and sees only its own context; a row that stops (EOS, limit) leaves the batch, so it
         costs no more target or draft work. `on_tokens` streams a single prompt's tokens."""
@@ -154,8 +181,9 @@ class SpeculativeDecoder:
             remaining = max(max_new_tokens - len(results[row].token_ids) for row in active)
             gamma = min(self.gamma, remaining - 1)
             block_start = clock.mark()
-            drafts, draft_probs = (self.drafter.propose(gamma, self.params, generator) if gamma
-                                   else (last_token[:, :0], None))
+            drafts, draft_probs = (
+                self.drafter.propose(gamma, self.params, generator) if gamma else (last_token[:, :0], None)
+            )
             width = drafts.shape[1]
             draft_end = clock.mark()
             verified = self.target.forward(torch.cat([last_token, drafts.clamp_min(0)], dim=1), hidden=wants_states)
@@ -170,8 +198,8 @@ class SpeculativeDecoder:
             # the one host sync of the block: accepted counts, next tokens and the draft ids together
             host = torch.cat([num_accepted, next_token, drafts.flatten()]).tolist()
             batch = len(active)
-            accepted, tokens = host[:batch], host[batch:2 * batch]
-            draft_ids = [host[2 * batch + i * width:2 * batch + (i + 1) * width] for i in range(batch)]
+            accepted, tokens = host[:batch], host[batch : 2 * batch]
+            draft_ids = [host[2 * batch + i * width : 2 * batch + (i + 1) * width] for i in range(batch)]
             marks.append(BlockMarks(block_start, draft_end, clock.mark()))
             block_rows.append(batch)
 
@@ -180,8 +208,9 @@ class SpeculativeDecoder:
                 self.drafter.commit(draft_ids, accepted, tokens, verified.hidden if wants_states else None)
             staying = []
             for i, row in enumerate(active):
-                emitted, stopped = self._emit(results[row], draft_ids[i][:accepted[i]] + [tokens[i]], ignore_eos,
-                                              max_new_tokens)
+                emitted, stopped = self._emit(
+                    results[row], draft_ids[i][: accepted[i]] + [tokens[i]], ignore_eos, max_new_tokens
+                )
                 row_blocks[row].append((len(marks) - 1, sum(t >= 0 for t in draft_ids[i]), accepted[i], emitted))
                 if stopped:
                     finished_at[row] = len(marks) - 1
@@ -199,19 +228,24 @@ class SpeculativeDecoder:
             last_token = next_token[staying][:, None] if len(staying) < batch else next_token[:, None]
 
         # each row's step carries its share of the block's time, so sums over rows are wall time
-        times = [(clock.seconds(m.start, m.drafted_at) / rows, clock.seconds(m.drafted_at, m.verified_at) / rows)
-                 for m, rows in zip(marks, block_rows)]
+        times = [
+            (clock.seconds(m.start, m.drafted_at) / rows, clock.seconds(m.drafted_at, m.verified_at) / rows)
+            for m, rows in zip(marks, block_rows)
+        ]
         for row, result in enumerate(results):
             result.prefill_seconds = prefill_seconds
             result.decode_seconds = clock.seconds(decode_start, marks[finished_at[row]].verified_at) - display_seconds
-            result.steps = [StepRecord(drafted=d, accepted=a, emitted=e, draft_seconds=times[b][0],
-                                       verify_seconds=times[b][1]) for b, d, a, e in row_blocks[row]]
+            result.steps = [
+                StepRecord(drafted=d, accepted=a, emitted=e, draft_seconds=times[b][0], verify_seconds=times[b][1])
+                for b, d, a, e in row_blocks[row]
+            ]
         return results
 
-    def _emit(self, result: GenerationResult, new_tokens: list[int], ignore_eos: bool, max_new_tokens: int
-              ) -> tuple[int, bool]:
+    def _emit(
+        self, result: GenerationResult, new_tokens: list[int], ignore_eos: bool, max_new_tokens: int
+    ) -> tuple[int, bool]:
         """Append the block's tokens up to an EOS (included) or the limit; returns (count, row stopped)."""
-        new_tokens = new_tokens[:max_new_tokens - len(result.token_ids)]
+        new_tokens = new_tokens[: max_new_tokens - len(result.token_ids)]
         if not ignore_eos:
             for i, token in enumerate(new_tokens):
                 if token in self.eos_token_ids:

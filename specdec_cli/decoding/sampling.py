@@ -52,8 +52,7 @@ def accepted_prefix_length(accepted: torch.Tensor) -> torch.Tensor:
     return accepted.long().cumprod(dim=-1).sum(dim=-1)
 
 
-def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept while the draft equals the target's argmax, then emit the target's argmax.
     draft_tokens: [B, g]; target_logits: [B, g + 1, V] -> (num_accepted [B], next_token [B])."""
     target_tokens = target_logits.argmax(dim=-1)  # [B, g + 1]
@@ -70,8 +69,9 @@ def residual(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Ten
     return torch.where(total > 0, leftover / total.clamp_min(torch.finfo(total.dtype).tiny), target_probs)
 
 
-def verify_sampled(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
-                   generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_sampled(
+    draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept-or-resample. draft_tokens: [B, g]; draft_probs: [B, g, V]; target_probs: [B, g + 1, V]
     -> (num_accepted [B], next_token [B]): the recovered token, or the bonus token if all passed."""
     batch, gamma = draft_tokens.shape

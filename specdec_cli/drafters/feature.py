@@ -24,11 +24,13 @@ class FeatureDrafter:
     def start(self, prompts: list[list[int]], max_tokens: int, target_states: torch.Tensor | None) -> None:
         self.model.reset(max_tokens, len(prompts))
         self.pending = [p[1:] for p in prompts]
-        self.pending_states = [target_states[row, :len(p) - 1] if len(p) > 1 else None
-                               for row, p in enumerate(prompts)]
+        self.pending_states = [
+            target_states[row, : len(p) - 1] if len(p) > 1 else None for row, p in enumerate(prompts)
+        ]
         if max(map(len, self.pending)) > 1:  # read the prompts now (prefill); their last inputs draft token 1
-            self._forward([p[:-1] for p in self.pending], [s[:-1] if s is not None else None
-                                                           for s in self.pending_states])
+            self._forward(
+                [p[:-1] for p in self.pending], [s[:-1] if s is not None else None for s in self.pending_states]
+            )
             self.pending = [p[-1:] for p in self.pending]
             self.pending_states = [s[-1:] if s is not None else None for s in self.pending_states]
 
@@ -36,30 +38,43 @@ class FeatureDrafter:
         """Feed each row its tokens beside their states (rows of different lengths are padded)."""
         ids, counts = right_padded(rows, self.model.device)
         width = ids.shape[1]
-        padded = torch.zeros(len(rows), width, self.model.model.config.hidden_size, device=self.model.device,
-                             dtype=next(s for s in states if s is not None).dtype)
+        padded = torch.zeros(
+            len(rows),
+            width,
+            self.model.model.config.hidden_size,
+            device=self.model.device,
+            dtype=next(s for s in states if s is not None).dtype,
+        )
         for row, state in enumerate(states):
             if state is not None:
-                padded[row, :len(state)] = state
-        out = self.model.forward(inputs_embeds=feature_inputs(self.model.model, ids, padded), counts=counts,
-                                 last_only=True, hidden=True)
+                padded[row, : len(state)] = state
+        out = self.model.forward(
+            inputs_embeds=feature_inputs(self.model.model, ids, padded), counts=counts, last_only=True, hidden=True
+        )
         last = (torch.tensor(counts, device=self.model.device) - 1).clamp_min(0)
         return out.logits[:, -1], out.hidden[torch.arange(len(rows), device=self.model.device), last][:, None]
 
-    def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def propose(
+        self, gamma: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # a row after a one-token prompt has no state to read yet: it drafts nothing this block
         stateless = torch.tensor([not p for p in self.pending], device=self.model.device)
         if bool(stateless.all()):
-            return (torch.zeros(len(self.pending), 0, dtype=torch.long, device=self.model.device),
-                    None if params.greedy else torch.zeros(len(self.pending), 0, self.model.vocab_size,
-                                                           device=self.model.device))
+            return (
+                torch.zeros(len(self.pending), 0, dtype=torch.long, device=self.model.device),
+                None
+                if params.greedy
+                else torch.zeros(len(self.pending), 0, self.model.vocab_size, device=self.model.device),
+            )
         tokens, probs = [], []
         logits, states = self._forward(self.pending, self.pending_states)
         for step in range(gamma):
             if step:
-                out = self.model.forward(inputs_embeds=feature_inputs(self.model.model, tokens[-1][:, None], states),
-                                         last_only=True, hidden=True)
+                out = self.model.forward(
+                    inputs_embeds=feature_inputs(self.model.model, tokens[-1][:, None], states),
+                    last_only=True,
+                    hidden=True,
+                )
                 logits, states = out.logits[:, -1], out.hidden[:, -1:]
             token, q = draft_token(logits, params, generator)
             tokens.append(token)
@@ -68,20 +83,25 @@ class FeatureDrafter:
         drafts = drafts.masked_fill(stateless[:, None], NOT_DRAFTED)
         return drafts, None if q is None else q.masked_fill(stateless[:, None, None], 0.0)
 
-    def commit(self, draft_ids: list[list[int]], num_accepted: list[int], next_tokens: list[int],
-               target_states: torch.Tensor | None) -> None:
+    def commit(
+        self,
+        draft_ids: list[list[int]],
+        num_accepted: list[int],
+        next_tokens: list[int],
+        target_states: torch.Tensor | None,
+    ) -> None:
         # the drafted positions were computed from the draft's own states: redo them (and the
         # accepted ones) from the target's
         self.model.rollback(len(draft_ids[0]) - 1)
         self.pending = [ids[:accepted] + [token] for ids, accepted, token in zip(draft_ids, num_accepted, next_tokens)]
-        self.pending_states = [target_states[row, :accepted + 1] for row, accepted in enumerate(num_accepted)]
+        self.pending_states = [target_states[row, : accepted + 1] for row, accepted in enumerate(num_accepted)]
 
     def follow(self, tokens: list[list[int]], target_states: torch.Tensor) -> None:
         """The rows' contexts grew by `tokens` in a block another drafter drafted; `target_states`
         [B, >= len, H] are the target's at the token before each of them."""
         for row, new in enumerate(tokens):
             self.pending[row] += new
-            state = target_states[row, :len(new)]
+            state = target_states[row, : len(new)]
             old = self.pending_states[row]
             self.pending_states[row] = state if old is None else torch.cat([old, state])
 

@@ -26,20 +26,28 @@ class LookupFirstDrafter:
         self.lookup.start(prompts, max_tokens, target_states)
         self.model.start(prompts, max_tokens, target_states)
 
-    def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def propose(
+        self, gamma: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         found = self.lookup.find(gamma)
         self.model_drafted = not all(found)
         return self.model.propose(gamma, params, generator) if self.model_drafted else self.lookup.drafts(found, params)
 
-    def commit(self, draft_ids: list[list[int]], num_accepted: list[int], next_tokens: list[int],
-               target_states: torch.Tensor | None) -> None:
+    def commit(
+        self,
+        draft_ids: list[list[int]],
+        num_accepted: list[int],
+        next_tokens: list[int],
+        target_states: torch.Tensor | None,
+    ) -> None:
         self.lookup.commit(draft_ids, num_accepted, next_tokens, target_states)
         if self.model_drafted:
             self.model.commit(draft_ids, num_accepted, next_tokens, target_states)
         else:
-            self.model.follow([ids[:accepted] + [token] for ids, accepted, token
-                               in zip(draft_ids, num_accepted, next_tokens)], target_states)
+            self.model.follow(
+                [ids[:accepted] + [token] for ids, accepted, token in zip(draft_ids, num_accepted, next_tokens)],
+                target_states,
+            )
 
     def keep(self, rows: list[int]) -> None:
         self.lookup.keep(rows)

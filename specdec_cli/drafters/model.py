@@ -9,8 +9,9 @@ from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.decoding.sampling import sample, warp
 
 
-def draft_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def draft_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The next draft token per row [B] from the draft's last logits [B, V], and q [B, V] (None when greedy)."""
     if params.greedy:
         return logits.argmax(dim=-1), None
@@ -18,8 +19,9 @@ def draft_token(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     return sample(q, generator), q
 
 
-def stack_drafts(tokens: list[torch.Tensor], probs: list[torch.Tensor | None]
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def stack_drafts(
+    tokens: list[torch.Tensor], probs: list[torch.Tensor | None]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     return torch.stack(tokens, dim=1), None if probs[0] is None else torch.stack(probs, dim=1)
 
 
@@ -39,8 +41,9 @@ class ModelDrafter:
             self.model.forward(ids, counts=counts, last_only=True)
         self.pending = [p[-1:] for p in prompts]
 
-    def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def propose(
+        self, gamma: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         tokens, probs = [], []
         next_input, counts = right_padded(self.pending, self.model.device)
         for _ in range(gamma):
@@ -52,13 +55,20 @@ class ModelDrafter:
         self.pending = [[] for _ in self.pending]  # all fed except the last draft token, which commit() settles
         return stack_drafts(tokens, probs)
 
-    def commit(self, draft_ids: list[list[int]], num_accepted: list[int], next_tokens: list[int],
-               target_states: torch.Tensor | None) -> None:
+    def commit(
+        self,
+        draft_ids: list[list[int]],
+        num_accepted: list[int],
+        next_tokens: list[int],
+        target_states: torch.Tensor | None,
+    ) -> None:
         gamma = len(draft_ids[0])
         # the last draft token was never fed to the draft model: a row that accepted all catches up on it
         self.model.rollback([gamma - 1 - min(accepted, gamma - 1) for accepted in num_accepted])
-        self.pending = [ids[-1:] + [token] if accepted == gamma else [token]
-                        for ids, accepted, token in zip(draft_ids, num_accepted, next_tokens)]
+        self.pending = [
+            ids[-1:] + [token] if accepted == gamma else [token]
+            for ids, accepted, token in zip(draft_ids, num_accepted, next_tokens)
+        ]
 
     def follow(self, tokens: list[list[int]], target_states: torch.Tensor | None) -> None:
         """The rows' contexts grew by `tokens` in a block another drafter drafted: read them next time."""

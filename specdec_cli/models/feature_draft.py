@@ -26,8 +26,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-from specdec_cli.models.decode_matmul import linear
 from specdec_cli.errors import SpecdecError
+from specdec_cli.models.decode_matmul import linear
 
 DRAFT_INFO = "specdec-draft.json"
 EMBEDDING = "model.embed_tokens.weight"  # borrowed from the target, never stored
@@ -87,7 +87,9 @@ def init_draft(target: PreTrainedModel, num_layers: int, token_ids: torch.Tensor
     config.num_hidden_layers = num_layers
     config.layer_types = None  # re-derived for the new depth where the architecture uses it
     config.tie_word_embeddings = False  # the draft's head is a subset, not its embedding
-    draft = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()  # training passes boolean masks
+    draft = AutoModelForCausalLM.from_config(
+        config, attn_implementation="sdpa"
+    ).float()  # training passes boolean masks
     with torch.no_grad():
         for mine, theirs in zip(draft.model.layers, chosen):
             mine.load_state_dict(target.model.layers[theirs].state_dict())
@@ -133,17 +135,21 @@ def load_draft(folder: Path, target: PreTrainedModel | None, dtype: torch.dtype)
     weights = load_file(folder / "model.safetensors")
     token_ids = weights.pop(TOKEN_IDS, None)
     embedding = target.get_input_embeddings().weight
-    if (token_ids is None or embedding.shape != (config.vocab_size, config.hidden_size)
-            or int(token_ids.max()) >= target.get_output_embeddings().weight.shape[0]):
+    if (
+        token_ids is None
+        or embedding.shape != (config.vocab_size, config.hidden_size)
+        or int(token_ids.max()) >= target.get_output_embeddings().weight.shape[0]
+    ):
         trained_for = json.loads((folder / DRAFT_INFO).read_text()).get("target", "another target")
         raise SpecdecError(f"draft {folder} was distilled for {trained_for}: this target does not fit it")
     model = AutoModelForCausalLM.from_config(config)
     add_feature_projection(model)
     model.to(dtype)
     borrow_from_target(model, target, token_ids)
-    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in weights.items()},
-                                                strict=False, assign=True)
+    missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=False, assign=True)
     if unexpected or set(missing) != {EMBEDDING}:
-        raise SpecdecError(f"draft {folder}: weights do not match its config "
-                           f"(missing {sorted(set(missing) - {EMBEDDING})[:3]}, unexpected {unexpected[:3]})")
+        raise SpecdecError(
+            f"draft {folder}: weights do not match its config "
+            f"(missing {sorted(set(missing) - {EMBEDDING})[:3]}, unexpected {unexpected[:3]})"
+        )
     return model

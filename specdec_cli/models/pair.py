@@ -34,8 +34,10 @@ def resolve_device(name: str) -> torch.device:
         raise SpecdecError(f"device {name} requested but CUDA is not available (torch {torch.__version__})")
     device = torch.device(name)
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise SpecdecError(f"device {name} requested but this machine has {torch.cuda.device_count()} CUDA "
-                           f"device(s): cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+        raise SpecdecError(
+            f"device {name} requested but this machine has {torch.cuda.device_count()} CUDA "
+            f"device(s): cuda:0 to cuda:{torch.cuda.device_count() - 1}"
+        )
     return device
 
 
@@ -58,11 +60,11 @@ class Pair:
     def eos_token_ids(self) -> set[int]:
         return eos_token_ids(self.target.model, self.tokenizer)
 
-    def decoder(self, params: SamplingParams, speculative: bool = True,
-                num_draft_tokens: int | None = None) -> SpeculativeDecoder:
+    def decoder(
+        self, params: SamplingParams, speculative: bool = True, num_draft_tokens: int | None = None
+    ) -> SpeculativeDecoder:
         gamma = self.config.speculation.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
-        return SpeculativeDecoder(self.target, self.drafter if speculative else None, params, gamma,
-                                  self.eos_token_ids)
+        return SpeculativeDecoder(self.target, self.drafter if speculative else None, params, gamma, self.eos_token_ids)
 
     def encode(self, prompt: str, raw: bool = False, history: list[dict] | None = None) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, raw, history)
@@ -70,20 +72,27 @@ class Pair:
     def check_fits(self, prompt_ids: list[int], max_new_tokens: int) -> None:
         limit = self.target.context_length
         if len(prompt_ids) + max_new_tokens > limit:
-            raise SpecdecError(f"the prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({max_new_tokens}) "
-                               f"exceeds the target's context of {limit} tokens")
+            raise SpecdecError(
+                f"the prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({max_new_tokens}) "
+                f"exceeds the target's context of {limit} tokens"
+            )
 
     def describe(self) -> dict:
         """What a record needs to say about where and how it ran."""
         device = self.device
         return {
             "device": str(device),
-            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
-            or platform.machine(),
+            "device_name": torch.cuda.get_device_name(device)
+            if device.type == "cuda"
+            else platform.processor() or platform.machine(),
             "dtype": str(self.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(),
-            "versions": {"specdec": specdec_cli.__version__, "torch": torch.__version__,
-                         "transformers": transformers.__version__, "python": platform.python_version()},
+            "versions": {
+                "specdec": specdec_cli.__version__,
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "python": platform.python_version(),
+            },
         }
 
 
@@ -93,8 +102,10 @@ def check_tokenizers(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizer
     if target_vocab != draft_vocab:
         differing = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()), key=lambda kv: kv[1])
         token, _ = differing[0]
-        raise SpecdecError(f"draft and target tokenizers disagree on token ids ({len(differing)} entries "
-                           f"differ, e.g. {token!r}): speculative decoding needs a shared vocabulary")
+        raise SpecdecError(
+            f"draft and target tokenizers disagree on token ids ({len(differing)} entries "
+            f"differ, e.g. {token!r}): speculative decoding needs a shared vocabulary"
+        )
 
 
 def load_pair(config: Config) -> Pair:

@@ -16,8 +16,9 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) ->
     return ids
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, raw: bool = False,
-                  history: list[dict] | None = None) -> list[int]:
+def encode_prompt(
+    tokenizer: PreTrainedTokenizerBase, prompt: str, raw: bool = False, history: list[dict] | None = None
+) -> list[int]:
     """Token ids of a prompt: through the chat template when the tokenizer has one (unless raw).
     `history` holds earlier turns of a conversation as chat messages."""
     if not prompt.strip():
