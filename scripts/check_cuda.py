@@ -39,14 +39,14 @@ def generate_figures(out: str) -> str:
 
 
 def verify_figures(out: str) -> str:
-    checks = json.loads(out)["checks"]
-    return f"{sum(c['passed'] for c in checks)}/{len(checks)} checks passed"
+    summary = json.loads(out)["summary"]
+    return f"{summary['passed']} passed, {summary['failed']} failed, {summary['not_run']} not run"
 
 
 def benchmark_figures(out: str) -> str:
-    rows = [r for r in json.loads(out)["summary"] if r["group"] == "overall"]
+    rows = json.loads(out)["batch_summary"]
     return "; ".join(
-        f"T={r['temperature']:g}: {r['baseline_tokens_per_second'][0]:.1f} -> "
+        f"batch {r['batch_size']}, T={r['temperature']:g}: {r['baseline_tokens_per_second'][0]:.1f} -> "
         f"{r['speculative_tokens_per_second'][0]:.1f} tok/s ({r['speedup'][0]:.2f}x), "
         f"{r['mean_accepted_length']:.2f} tokens/forward"
         for r in rows

@@ -107,7 +107,11 @@ def detail_report(summary: list[dict]) -> Report:
         ("speculative decode tok/s", lambda r: spread(r["speculative_tokens_per_second"])),
         ("measured speedup", lambda r: spread(r["speedup"], ".2f") + "×"),
         ("predicted speedup (Leviathan)", lambda r: fmt(r["predicted_speedup"], ".2f", "×")),
-        ("mean accepted length (incl. bonus)", lambda r: fmt(r["mean_accepted_length"])),
+        ("mean accepted length: tokens per target forward", lambda r: fmt(r["mean_accepted_length"])),
+        (
+            "mean acceptance length as vLLM: 1 + accepted / drafting blocks",
+            lambda r: fmt(r.get("vllm_mean_acceptance_length")),
+        ),
         ("acceptance rate (accepted / drafted)", lambda r: fmt(r["acceptance_rate"], ".1%")),
         ("per-token acceptance α", lambda r: fmt(r["per_token_acceptance"], ".3f")),
         ("acceptance by draft position", lambda r: " ".join(fmt(p, ".2f") for p in r["acceptance_by_position"])),

@@ -68,6 +68,7 @@ def summarize_mode(baseline: list[dict], speculative: list[dict], gamma: int) ->
         "speculative_tokens_per_second": _mean_tps(speculative, "tokens_per_second"),
         "speedup": median_and_spread(speedups),
         "mean_accepted_length": mean_accepted_length(spec_steps),
+        "vllm_mean_acceptance_length": vllm_mean_acceptance_length(spec_steps),
         "acceptance_rate": acceptance_rate(spec_steps),
         "per_token_acceptance": alpha,
         "acceptance_by_position": acceptance_by_position(spec_steps, gamma),
