@@ -232,20 +232,8 @@ def test_bad_gamma_list_is_a_clear_error(same_config):
 
 
 def test_unreachable_accept_length_gate_exits_4(same_config):
-    code, out, err = run_cli(
-        "-c",
-        str(same_config),
-        "--category",
-        "qa",
-        "--temperatures",
-        "0",
-        "--warmup",
-        "0",
-        "--min-accept-length",
-        "5",
-        "--min-speedup",
-        "0",
-    )
+    gates = "--category qa --temperatures 0 --warmup 0 --min-accept-length 5 --min-speedup 0".split()
+    code, out, err = run_cli("-c", str(same_config), *gates)
     assert code == EXIT_GATE_FAILED
     assert "mean accepted length 4.00 < 5 (greedy, γ=3)" in err
     assert "Speedup by category" in out  # the results are shown and written before the gate fails

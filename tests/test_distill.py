@@ -155,23 +155,8 @@ def test_sampled_output_is_the_targets(distilled):
 
 def test_hf_peer_runs_what_transformers_has_beside_a_feature_draft(distilled):
     # transformers cannot run a feature draft: plain generate() and its prompt lookup stand beside specdec
-    peer = runner.invoke(
-        app,
-        [
-            "benchmark",
-            "-c",
-            str(distilled.pair_config),
-            "--peer",
-            "hf",
-            "--category",
-            "qa",
-            "--temperatures",
-            "0",
-            "--warmup",
-            "0",
-            "--json",
-        ],
-    )
+    options = "--peer hf --category qa --temperatures 0 --warmup 0 --json".split()
+    peer = runner.invoke(app, ["benchmark", "-c", str(distilled.pair_config), *options])
     assert peer.exit_code == 0, peer.output
     record = json.loads(peer.stdout)
     [gamma] = record["settings"]["gammas"]

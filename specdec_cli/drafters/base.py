@@ -17,31 +17,26 @@ import torch
 from specdec_cli.decoding.params import SamplingParams
 
 NOT_DRAFTED = -1
+Rows = list[list[int]]  # token ids per row
+States = torch.Tensor | None  # the target's hidden states, for drafters that read them
+Drafts = tuple[torch.Tensor, torch.Tensor | None]  # draft tokens [B, g] and their q [B, g, V] (None: greedy)
 
 
 class Drafter(Protocol):
     # whether `start` and `commit` get the target's last-layer hidden states (None otherwise)
     reads_target_states: bool
 
-    def start(self, prompts: list[list[int]], max_tokens: int, target_states: torch.Tensor | None) -> None:
+    def start(self, prompts: Rows, max_tokens: int, target_states: States) -> None:
         """New sequences of at most `max_tokens` tokens each. `target_states` [B, max(P) - 1, H]: the
         target's states at every prompt token but the last, right-padded (row b's first P_b - 1 are
         real). Runs before the decode clock starts, so a drafter's pass over the prompts is prefill."""
 
-    def propose(
-        self, gamma: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None) -> Drafts:
         """Up to `gamma` (>= 1) draft tokens per row [B, g] (g may be 0; -1 where a row drafted
         less) and the distributions q [B, g, V] they were drawn from, warped as the target's p is
         (None when greedy: nothing reads q)."""
 
-    def commit(
-        self,
-        draft_ids: list[list[int]],
-        num_accepted: list[int],
-        next_tokens: list[int],
-        target_states: torch.Tensor | None,
-    ) -> None:
+    def commit(self, draft_ids: Rows, num_accepted: list[int], next_tokens: list[int], target_states: States) -> None:
         """The block's outcome per row: the g ids `propose` returned, how many the target accepted,
         and the token it emitted after them. `target_states` [B, g + 1, H]: the target's states at
         [the block's first input, drafts]; row b's first num_accepted[b] + 1 are verified context."""

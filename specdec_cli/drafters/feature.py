@@ -8,7 +8,7 @@ import torch
 
 from specdec_cli.decoding.cache import CachedModel, right_padded
 from specdec_cli.decoding.params import SamplingParams
-from specdec_cli.drafters.base import NOT_DRAFTED
+from specdec_cli.drafters.base import NOT_DRAFTED, Drafts, Rows, States
 from specdec_cli.drafters.model import draft_token, stack_drafts
 from specdec_cli.models.feature_draft import feature_inputs
 
@@ -21,7 +21,7 @@ class FeatureDrafter:
         self.pending: list[list[int]] = []  # per row: context tokens not yet in the draft's cache ...
         self.pending_states: list[torch.Tensor] = []  # ... and the states beside them [n, H]
 
-    def start(self, prompts: list[list[int]], max_tokens: int, target_states: torch.Tensor | None) -> None:
+    def start(self, prompts: Rows, max_tokens: int, target_states: States) -> None:
         self.model.reset(max_tokens, len(prompts))
         self.pending = [p[1:] for p in prompts]
         self.pending_states = [
@@ -54,9 +54,7 @@ class FeatureDrafter:
         last = (torch.tensor(counts, device=self.model.device) - 1).clamp_min(0)
         return out.logits[:, -1], out.hidden[torch.arange(len(rows), device=self.model.device), last][:, None]
 
-    def propose(
-        self, gamma: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None) -> Drafts:
         # a row after a one-token prompt has no state to read yet: it drafts nothing this block
         stateless = torch.tensor([not p for p in self.pending], device=self.model.device)
         if bool(stateless.all()):
@@ -83,13 +81,7 @@ class FeatureDrafter:
         drafts = drafts.masked_fill(stateless[:, None], NOT_DRAFTED)
         return drafts, None if q is None else q.masked_fill(stateless[:, None, None], 0.0)
 
-    def commit(
-        self,
-        draft_ids: list[list[int]],
-        num_accepted: list[int],
-        next_tokens: list[int],
-        target_states: torch.Tensor | None,
-    ) -> None:
+    def commit(self, draft_ids: Rows, num_accepted: list[int], next_tokens: list[int], target_states: States) -> None:
         # the drafted positions were computed from the draft's own states: redo them (and the
         # accepted ones) from the target's
         self.model.rollback(len(draft_ids[0]) - 1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from specdec_cli.decoding.params import SamplingParams
+from specdec_cli.drafters.base import Drafts, Rows, States
 from specdec_cli.drafters.feature import FeatureDrafter
 from specdec_cli.drafters.model import ModelDrafter
 from specdec_cli.drafters.ngram import NgramDrafter
@@ -22,24 +23,16 @@ class LookupFirstDrafter:
         self.reads_target_states = model.reads_target_states
         self.model_drafted = False  # who drafted the current block
 
-    def start(self, prompts: list[list[int]], max_tokens: int, target_states: torch.Tensor | None) -> None:
+    def start(self, prompts: Rows, max_tokens: int, target_states: States) -> None:
         self.lookup.start(prompts, max_tokens, target_states)
         self.model.start(prompts, max_tokens, target_states)
 
-    def propose(
-        self, gamma: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None) -> Drafts:
         found = self.lookup.find(gamma)
         self.model_drafted = not all(found)
         return self.model.propose(gamma, params, generator) if self.model_drafted else self.lookup.drafts(found, params)
 
-    def commit(
-        self,
-        draft_ids: list[list[int]],
-        num_accepted: list[int],
-        next_tokens: list[int],
-        target_states: torch.Tensor | None,
-    ) -> None:
+    def commit(self, draft_ids: Rows, num_accepted: list[int], next_tokens: list[int], target_states: States) -> None:
         self.lookup.commit(draft_ids, num_accepted, next_tokens, target_states)
         if self.model_drafted:
             self.model.commit(draft_ids, num_accepted, next_tokens, target_states)

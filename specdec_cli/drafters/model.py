@@ -7,6 +7,7 @@ import torch
 from specdec_cli.decoding.cache import CachedModel, right_padded
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.decoding.sampling import sample, warp
+from specdec_cli.drafters.base import Drafts, Rows, States
 
 
 def draft_token(
@@ -34,16 +35,14 @@ class ModelDrafter:
         self.model = model
         self.pending: list[list[int]] = []
 
-    def start(self, prompts: list[list[int]], max_tokens: int, target_states: torch.Tensor | None) -> None:
+    def start(self, prompts: Rows, max_tokens: int, target_states: States) -> None:
         self.model.reset(max_tokens, len(prompts))
         if max(map(len, prompts)) > 1:
             ids, counts = right_padded([p[:-1] for p in prompts], self.model.device)
             self.model.forward(ids, counts=counts, last_only=True)
         self.pending = [p[-1:] for p in prompts]
 
-    def propose(
-        self, gamma: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None) -> Drafts:
         tokens, probs = [], []
         next_input, counts = right_padded(self.pending, self.model.device)
         for _ in range(gamma):
@@ -55,13 +54,7 @@ class ModelDrafter:
         self.pending = [[] for _ in self.pending]  # all fed except the last draft token, which commit() settles
         return stack_drafts(tokens, probs)
 
-    def commit(
-        self,
-        draft_ids: list[list[int]],
-        num_accepted: list[int],
-        next_tokens: list[int],
-        target_states: torch.Tensor | None,
-    ) -> None:
+    def commit(self, draft_ids: Rows, num_accepted: list[int], next_tokens: list[int], target_states: States) -> None:
         gamma = len(draft_ids[0])
         # the last draft token was never fed to the draft model: a row that accepted all catches up on it
         self.model.rollback([gamma - 1 - min(accepted, gamma - 1) for accepted in num_accepted])

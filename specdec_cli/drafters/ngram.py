@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from specdec_cli.decoding.params import SamplingParams
-from specdec_cli.drafters.base import NOT_DRAFTED
+from specdec_cli.drafters.base import NOT_DRAFTED, Drafts, Rows, States
 
 
 class NgramDrafter:
@@ -20,7 +20,7 @@ class NgramDrafter:
         self.device = device
         self.contexts: list[list[int]] = []  # one per row
 
-    def start(self, prompts: list[list[int]], max_tokens: int, target_states: torch.Tensor | None) -> None:
+    def start(self, prompts: Rows, max_tokens: int, target_states: States) -> None:
         self.contexts = [list(prompt) for prompt in prompts]
 
     def lookup(self, gamma: int, row: int = 0) -> list[int]:
@@ -33,9 +33,7 @@ class NgramDrafter:
                     return ctx[start + n : start + n + gamma]
         return []
 
-    def propose(
-        self, gamma: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None) -> Drafts:
         return self.drafts(self.find(gamma), params)
 
     def find(self, gamma: int) -> list[list[int]]:
@@ -55,13 +53,7 @@ class NgramDrafter:
         probs.scatter_(-1, tokens.clamp_min(0)[..., None], drafted[..., None].float())
         return tokens, probs
 
-    def commit(
-        self,
-        draft_ids: list[list[int]],
-        num_accepted: list[int],
-        next_tokens: list[int],
-        target_states: torch.Tensor | None,
-    ) -> None:
+    def commit(self, draft_ids: Rows, num_accepted: list[int], next_tokens: list[int], target_states: States) -> None:
         for context, ids, accepted, token in zip(self.contexts, draft_ids, num_accepted, next_tokens):
             context += ids[:accepted] + [token]
 
