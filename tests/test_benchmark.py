@@ -104,6 +104,7 @@ def test_summarize_mode_on_hand_made_records():
     row = summarize_mode(baseline, speculative, gamma=4)
     # per repeat: mean spec / mean base = 30/20 and 40/20; median of the two, then the range
     assert row["speedup"] == pytest.approx((1.75, 1.5, 2.0))
+    assert row["end_to_end_speedup"] == pytest.approx((1.75, 1.5, 2.0))  # these records' tok/s include prefill
     assert row["baseline_tokens_per_second"] == pytest.approx((20.0, 20.0, 20.0))
     assert row["mean_accepted_length"] == 3.0  # (5 + 2 + 3 + 2) / 4
     assert row["acceptance_rate"] == pytest.approx(9 / 14)

@@ -105,7 +105,8 @@ def detail_report(summary: list[dict]) -> Report:
         ("prompts", lambda r: str(r["prompts"])),
         ("target-only decode tok/s", lambda r: spread(r["baseline_tokens_per_second"])),
         ("speculative decode tok/s", lambda r: spread(r["speculative_tokens_per_second"])),
-        ("measured speedup", lambda r: spread(r["speedup"], ".2f") + "×"),
+        ("measured speedup (decode, as Spec-Bench)", lambda r: spread(r["speedup"], ".2f") + "×"),
+        ("end-to-end speedup (prefill included)", lambda r: fmt(_value(r.get("end_to_end_speedup")), ".2f", "×")),
         ("predicted speedup (Leviathan)", lambda r: fmt(r["predicted_speedup"], ".2f", "×")),
         ("mean accepted length: tokens per target forward", lambda r: fmt(r["mean_accepted_length"])),
         (
