@@ -484,12 +484,18 @@ def save(
     )
 
 
+def corpus_dtype(cfg: Config) -> torch.dtype:
+    """The target's dtype while it writes the corpus: the config's (a flag's, when given); `auto` is
+    bfloat16 here, since writing the corpus is most of the cost."""
+    return torch.bfloat16 if cfg.runtime.dtype == "auto" else DTYPES[cfg.runtime.dtype]
+
+
 def distill(cfg: Config, prompts: list[str], settings: DistillSettings, out: Path, keep_work: bool) -> None:
     """The whole command: corpus, training, the saved draft and its record."""
     if cfg.runtime.threads:
         torch.set_num_threads(cfg.runtime.threads)
     device = resolve_device(cfg.runtime.device)
-    dtype = torch.bfloat16 if cfg.runtime.dtype == "auto" else DTYPES[cfg.runtime.dtype]
+    dtype = corpus_dtype(cfg)
     with display.stderr.status(f"Loading {cfg.target.describe()}..."):
         target, tokenizer = load_model(cfg.target, device, dtype)
     work = out / WORK  # corpus and training state: what a resumed run continues from

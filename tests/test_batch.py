@@ -140,6 +140,8 @@ def test_benchmark_measures_each_batch_size(write_config):
     assert [r["batch_size"] for r in rows] == [1, 2, 4]
     for row in rows:  # the draft is the target: every draft accepted, at every batch size
         assert row["mean_accepted_length"] == 4.0 and row["acceptance_by_position"] == [1.0, 1.0, 1.0]
+        assert row["greedy_identical"] == 7  # every row's tokens are its prompt's target-only tokens alone
+        assert row["verification_forward_seconds"] > 0 and row["target_forward_seconds"] > 0
         assert row["speculative_tokens_per_second_per_sequence"][0] * row["batch_size"] == pytest.approx(
             row["speculative_tokens_per_second"][0]
         )

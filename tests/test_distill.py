@@ -15,10 +15,11 @@ from specdec_cli import verify
 from specdec_cli.cli import app
 from specdec_cli.config import load_config
 from specdec_cli.decoding.params import SamplingParams
-from specdec_cli.distill import Batch, draft_log_probs
+from specdec_cli.distill import Batch, corpus_dtype, draft_log_probs
 from specdec_cli.errors import EXIT_BAD_INPUT
 from specdec_cli.models.feature_draft import DRAFT_INFO, feature_inputs, init_draft
 from specdec_cli.models.pair import load_pair
+from specdec_cli.options import configure
 
 runner = CliRunner()
 
@@ -218,3 +219,13 @@ def test_training_sees_what_drafting_sees(tiny_target):
             drafting = draft.lm_head.scores(hidden[0, t + step]).log_softmax(-1)
             torch.testing.assert_close(trained[step][t + step], drafting, atol=1e-4, rtol=1e-4)
             features = torch.cat([states[:, : t + 1], hidden[:, t : t + step + 1]], dim=1)
+
+
+def test_flags_override_the_yaml_only_when_given(write_config):
+    config = str(write_config({"runtime": {"device": "cpu", "dtype": "float32"}}))
+    assert corpus_dtype(configure(config, runtime__dtype=None)) == torch.float32  # no flag: the YAML's
+    assert corpus_dtype(configure(config, runtime__dtype="bfloat16")) == torch.bfloat16
+    assert corpus_dtype(configure(str(write_config({"runtime": {"dtype": "auto"}})))) == torch.bfloat16
+    pair = load_pair(load_config(config))
+    assert pair.decoder(SamplingParams(), num_draft_tokens=0).gamma == 0  # an explicit 0 is not "not given"
+    assert pair.decoder(SamplingParams()).gamma == 3

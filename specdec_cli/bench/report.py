@@ -164,8 +164,18 @@ BATCH_NOTE = (
     "Per batch size: the prompts in consecutive batches of that size, target alone and speculative "
     "through the same loop. total tok/s = all new tokens / all decode wall time; per sequence = "
     "total / batch size; speedup = speculative total / target-only total at that batch size. "
-    "crossover = the smallest measured batch size whose speedup is below 1."
+    "verify / plain forward = a batch x (gamma + 1)-token verification forward against a batch x 1 target-only "
+    "forward. greedy = alone: prompts whose greedy speculative tokens equal their target-only tokens decoded "
+    "alone. crossover = the smallest measured batch size whose speedup is below 1."
 )
+
+
+def _forward_cost(row: dict) -> str:
+    """ms of a verification forward / ms of a target-only forward at the same batch size."""
+    verify, plain = row.get("verification_forward_seconds"), row.get("target_forward_seconds")
+    if not verify or not plain:
+        return "n/a"
+    return f"{1000 * verify:.0f} / {1000 * plain:.0f} ms ({verify / plain:.2f}×)"
 
 
 def batch_report(rows: list[dict]) -> Report:
@@ -180,6 +190,8 @@ def batch_report(rows: list[dict]) -> Report:
         "acc len (vLLM)",
         "acceptance by position",
         "drafting",
+        "verify / plain forward",
+        "greedy = alone",
         "crossover",
     ]
     table = [
@@ -194,6 +206,8 @@ def batch_report(rows: list[dict]) -> Report:
             fmt(r["vllm_mean_acceptance_length"]),
             " ".join(fmt(p, ".2f") for p in r["acceptance_by_position"]),
             fmt(r["draft_time_share"], ".0%"),
+            _forward_cost(r),
+            "n/a" if r.get("greedy_identical") is None else str(r["greedy_identical"]),
             "none measured" if r["crossover_batch_size"] is None else f"batch {r['crossover_batch_size']}",
         ]
         for r in rows

@@ -101,6 +101,7 @@ def run_batch(pair: Pair, prompts: list[Prompt], mode: Mode, plan: Plan, seed: i
     )
     histories: list[list[dict]] = [[] for _ in prompts]
     total = {
+        "blocks": 0,
         "new_tokens": 0,
         "prefill_seconds": 0.0,
         "decode_seconds": 0.0,
@@ -115,6 +116,7 @@ def run_batch(pair: Pair, prompts: list[Prompt], mode: Mode, plan: Plan, seed: i
         results = decoder.generate_batch(encoded, plan.max_new_tokens, seed, ignore_eos=plan.ignore_eos)
         total["prefill_seconds"] += results[0].prefill_seconds
         total["decode_seconds"] += max(r.decode_seconds for r in results)
+        total["blocks"] += max(len(r.steps) for r in results)  # target forwards of the batch
         for i, r in zip(rows, results):
             total["new_tokens"] += len(r.token_ids)
             total["token_ids"][i] += r.token_ids

@@ -203,6 +203,28 @@ def _total_tps(runs: list[dict]) -> list[float]:
     ]
 
 
+def _forward_seconds(runs: list[dict]) -> float | None:
+    """Mean seconds of one target forward (a block: drafting excluded), over all batches and repeats."""
+    # a prompt's own run has a step per forward; a batch's steps are its rows', so it counts its forwards
+    blocks = [rep.get("blocks") if "prompt_ids" in r else len(rep["steps"]) for r in runs for rep in r["repeats"]]
+    if None in blocks or not sum(blocks):  # a record from before batches counted their forwards
+        return None
+    return sum(s.verify_seconds for r in runs for s in steps_of(r)) / sum(blocks)
+
+
+def _rows_tokens(run: dict) -> dict[str, list[int]]:
+    """Prompt id -> first repeat's tokens, for a per-prompt run or a batch."""
+    tokens = run["repeats"][0]["token_ids"]
+    return dict(zip(run["prompt_ids"], tokens)) if "prompt_ids" in run else {run["prompt_id"]: tokens}
+
+
+def _greedy_identical(spec: list[dict], alone: list[dict]) -> int | None:
+    """Prompts whose greedy speculative tokens at this batch size equal target-only tokens alone."""
+    reference = {k: v for r in alone for k, v in _rows_tokens(r).items()}
+    ours = {k: v for r in spec for k, v in _rows_tokens(r).items()}
+    return sum(reference.get(k) == v for k, v in ours.items()) if reference else None
+
+
 def summarize_batches(runs: list[dict], batch_runs: list[dict]) -> list[dict]:
     """Per (batch size, temperature, gamma): total tokens/s of the target alone and of speculative
     decoding at that batch size, their ratio, and acceptance; then, per (temperature, gamma), the
@@ -228,6 +250,10 @@ def summarize_batches(runs: list[dict], batch_runs: list[dict]) -> list[dict]:
                 "vllm_mean_acceptance_length": vllm_mean_acceptance_length(steps),
                 "acceptance_by_position": acceptance_by_position(steps, gamma),
                 "draft_time_share": draft_time_share(steps),
+                # what a (batch x (gamma + 1))-token verification costs against a batch x 1 forward
+                "target_forward_seconds": _forward_seconds(base),
+                "verification_forward_seconds": _forward_seconds(spec),
+                "greedy_identical": _greedy_identical(spec, groups.get((1, 0.0, 0), [])) if temperature == 0 else None,
             }
         )
     for row in out:
