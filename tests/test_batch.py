@@ -225,3 +225,16 @@ def test_verify_catches_a_row_reading_another_rows_acceptance(batch_pair, monkey
     read_the_next_rows_count(monkeypatch)
     assert failures(1) == []  # one row: its own count is the next row's
     assert failures(4)  # rows of a batch: the checks fail
+
+
+def test_the_hf_peer_at_batch_sizes_is_plain_batched_generate(write_config):
+    config = str(write_config({"generation": {"max_new_tokens": 8, "ignore_eos": True}}))
+    options = "--peer hf --batch-sizes 2 --temperatures 0 --warmup 0 --category qa --json".split()
+    run = runner.invoke(app, ["benchmark", "-c", config, *options])
+    assert run.exit_code == 0, run.output
+    record = json.loads(run.stdout)
+    [peer_batch] = [r for r in record["batch_runs"] if r["engine"] == "hf"]
+    alone = [r for r in record["runs"] if (r["engine"], r["gamma"]) == ("specdec", 0)]
+    # left-padded rows of transformers' generate() answer as each prompt alone does
+    assert peer_batch["repeats"][0]["token_ids"] == [r["repeats"][0]["token_ids"] for r in alone]
+    assert all(row["peer_tokens_per_second"][0] > 0 for row in record["batch_summary"])

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from specdec_cli.decoding.metrics import StepRecord
+
+if TYPE_CHECKING:
+    from specdec_cli.decoding.engine import GenerationResult
 
 
 @dataclass
@@ -48,3 +52,7 @@ def _rate(tokens: int, seconds: float) -> float:
 
 # Generates one turn: (prompt ids, seed) -> (new token ids, measure). Used for specdec and for peers.
 TurnGenerator = Callable[[list[int], int], tuple[list[int], Measure]]
+
+# Generates one turn of a batch of prompts: (prompts' ids, seed) -> a result per row. The batch's wall
+# time is each result's decode_seconds (prefill_seconds 0 where the generator cannot time it apart).
+BatchGenerate = Callable[[list[list[int]], int], list["GenerationResult"]]

@@ -15,10 +15,11 @@ import torch
 import transformers
 from transformers import GenerationConfig
 
-from specdec_cli.bench.measure import Measure, TurnGenerator
+from specdec_cli.bench.measure import BatchGenerate, Measure, TurnGenerator
 from specdec_cli.bench.plan import HF_ASSISTED, HF_LOOKUP
 from specdec_cli.bench.report import LOOKUP_NOTE, PEER_FAIRNESS
 from specdec_cli.config import NgramSettings
+from specdec_cli.decoding.engine import GenerationResult
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.drafters.model import ModelDrafter
 from specdec_cli.drafters.ngram import NgramDrafter
@@ -71,12 +72,8 @@ def generation_configs(configs: dict[torch.nn.Module, GenerationConfig]):
             model.generation_config = config
 
 
-def hf_generator(
-    pair: Pair, params: SamplingParams, engine: str, gamma: int, max_new_tokens: int, ignore_eos: bool
-) -> TurnGenerator:
-    """generate() as `engine` runs it: plain (gamma 0), with prompt lookup, or with the draft model."""
-    transformers.utils.logging.set_verbosity_error()  # assisted generate() warns about its own internal calls
-    model = pair.target.model
+def plain_settings(pair: Pair, params: SamplingParams, max_new_tokens: int, ignore_eos: bool) -> dict:
+    """generate()'s settings for what specdec runs: its length, EOS ids and warp, and nothing else."""
     # ignore_eos: no EOS ids at all, so the peer samples EOS and carries on as specdec does
     # (min_new_tokens would mask EOS instead, sampling from another distribution)
     eos = [] if ignore_eos else sorted(pair.eos_token_ids)
@@ -90,6 +87,16 @@ def hf_generator(
         # explicit values even when they disable a warper: generate() fills unset ones with its own
         # defaults (top_k 50), which would sample from a different distribution than specdec
         settings.update(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+    return settings
+
+
+def hf_generator(
+    pair: Pair, params: SamplingParams, engine: str, gamma: int, max_new_tokens: int, ignore_eos: bool
+) -> TurnGenerator:
+    """generate() as `engine` runs it: plain (gamma 0), with prompt lookup, or with the draft model."""
+    transformers.utils.logging.set_verbosity_error()  # assisted generate() warns about its own internal calls
+    model = pair.target.model
+    settings = plain_settings(pair, params, max_new_tokens, ignore_eos)
     configs, extra = {model: GenerationConfig()}, {}
     if gamma and engine == HF_LOOKUP:
         max_n = pair.drafter.max_n if isinstance(pair.drafter, NgramDrafter) else NgramSettings().max_n
@@ -116,5 +123,33 @@ def hf_generator(
         seconds = time.perf_counter() - start
         new = output[0, len(prompt_ids) :].tolist()
         return new, Measure(len(new), None, seconds, token_ids=new)
+
+    return generate
+
+
+def hf_batch_generator(pair: Pair, params: SamplingParams, max_new_tokens: int, ignore_eos: bool) -> BatchGenerate:
+    """Plain batched generate() of the target (its assisted generation and prompt lookup refuse batches):
+    prompts left-padded, each row's answer cut after its EOS. Its time is the whole call (prefill too)."""
+    model = pair.target.model
+    settings = plain_settings(pair, params, max_new_tokens, ignore_eos)
+    config, eos = GenerationConfig(**settings), set(settings["eos_token_id"] or [])
+
+    def generate(prompts: list[list[int]], seed: int) -> list[GenerationResult]:
+        torch.manual_seed(seed)
+        width = max(map(len, prompts))
+        pad = settings["pad_token_id"]
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=pair.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=pair.device)
+        start = time.perf_counter()
+        with torch.inference_mode(), generation_configs({model: GenerationConfig()}):
+            output = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        if pair.device.type == "cuda":
+            torch.cuda.synchronize(pair.device)
+        seconds = time.perf_counter() - start
+        rows = []
+        for prompt, row in zip(prompts, output[:, width:].tolist()):
+            ends = [i for i, t in enumerate(row) if t in eos]
+            rows.append(GenerationResult(prompt, row[: ends[0] + 1] if ends else row, decode_seconds=seconds))
+        return rows
 
     return generate

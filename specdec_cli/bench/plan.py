@@ -52,10 +52,14 @@ class Plan:
         return SamplingParams(temperature=temperature, top_k=self.top_k, top_p=self.top_p)
 
     def batch_modes(self) -> list[tuple[int, Mode]]:
-        """(batch size, mode) of the batched runs: target-only and each gamma, per temperature."""
-        return [
-            (b, Mode(t, g)) for b in self.batch_sizes if b > 1 for t in self.temperatures for g in [0] + self.gammas
-        ]
+        """(batch size, mode) of the batched runs: target-only and each gamma per temperature, and the
+        peer's plain batched generate() (transformers' speculative decoding refuses batches)."""
+        modes = []
+        for size in (b for b in self.batch_sizes if b > 1):
+            for t in self.temperatures:
+                modes += [(size, Mode(t, g)) for g in [0] + self.gammas]
+                modes += [(size, Mode(t, 0, self.peer))] if self.peer else []
+        return modes
 
     def modes(self) -> list[Mode]:
         """Per temperature: the baseline first, then each gamma, then the peer alone and its run of each gamma."""

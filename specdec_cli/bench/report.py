@@ -166,7 +166,9 @@ BATCH_NOTE = (
     "total / batch size; speedup = speculative total / target-only total at that batch size. "
     "verify / plain forward = a batch x (gamma + 1)-token verification forward against a batch x 1 target-only "
     "forward. greedy = alone: prompts whose greedy speculative tokens equal their target-only tokens decoded "
-    "alone. crossover = the smallest measured batch size whose speedup is below 1."
+    "alone. hf generate(): with --peer hf, transformers' plain batched generate() of the target (its assisted "
+    "generation and prompt lookup refuse batches), timed whole, beside specdec's speculative tok/s end to end "
+    "(prefill included). crossover = the smallest measured batch size whose speedup is below 1."
 )
 
 
@@ -176,6 +178,12 @@ def _forward_cost(row: dict) -> str:
     if not verify or not plain:
         return "n/a"
     return f"{1000 * verify:.0f} / {1000 * plain:.0f} ms ({verify / plain:.2f}×)"
+
+
+def _peer(row: dict) -> str:
+    if not row.get("peer_tokens_per_second"):
+        return "n/a"
+    return f"{spread(row['peer_tokens_per_second'])} ({spread(row['speculative_end_to_end_tokens_per_second'])})"
 
 
 def batch_report(rows: list[dict]) -> Report:
@@ -192,6 +200,7 @@ def batch_report(rows: list[dict]) -> Report:
         "drafting",
         "verify / plain forward",
         "greedy = alone",
+        "hf generate() tok/s (specdec, end to end)",
         "crossover",
     ]
     table = [
@@ -208,6 +217,7 @@ def batch_report(rows: list[dict]) -> Report:
             fmt(r["draft_time_share"], ".0%"),
             _forward_cost(r),
             "n/a" if r.get("greedy_identical") is None else str(r["greedy_identical"]),
+            _peer(r),
             "none measured" if r["crossover_batch_size"] is None else f"batch {r['crossover_batch_size']}",
         ]
         for r in rows

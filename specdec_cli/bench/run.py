@@ -7,9 +7,8 @@ the next turn, and all turns count (as in Spec-Bench): a prompt's numbers are it
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 
-from specdec_cli.bench.measure import Measure, TurnGenerator
+from specdec_cli.bench.measure import BatchGenerate, Measure, TurnGenerator
 from specdec_cli.bench.plan import SPECDEC, Mode, Plan
 from specdec_cli.bench.prompts import Prompt
 from specdec_cli.models.pair import Pair
@@ -93,12 +92,20 @@ def run_benchmark(
     return runs, False
 
 
-def run_batch(pair: Pair, prompts: list[Prompt], mode: Mode, plan: Plan, seed: int) -> dict:
-    """One batch: the prompts decoded together, turn by turn (turn k of every prompt that has one, each
-    row seeing its own earlier turns and answers). Wall times are the batch's; steps and tokens all rows'."""
+def batch_generator(pair: Pair, mode: Mode, plan: Plan, max_new_tokens: int) -> BatchGenerate:
+    if mode.engine != SPECDEC:
+        from specdec_cli.bench.peers import hf_batch_generator
+
+        return hf_batch_generator(pair, plan.params(mode.temperature), max_new_tokens, plan.ignore_eos)
     decoder = pair.decoder(
         plan.params(mode.temperature), speculative=mode.gamma > 0, num_draft_tokens=mode.gamma or None
     )
+    return lambda prompts, seed: decoder.generate_batch(prompts, max_new_tokens, seed, ignore_eos=plan.ignore_eos)
+
+
+def run_batch(pair: Pair, prompts: list[Prompt], generate: BatchGenerate, plan: Plan, seed: int) -> dict:
+    """One batch: the prompts decoded together, turn by turn (turn k of every prompt that has one, each
+    row seeing its own earlier turns and answers). Wall times are the batch's; steps and tokens all rows'."""
     histories: list[list[dict]] = [[] for _ in prompts]
     total = {
         "blocks": 0,
@@ -113,7 +120,7 @@ def run_batch(pair: Pair, prompts: list[Prompt], mode: Mode, plan: Plan, seed: i
         encoded = [pair.encode(prompts[i].turns[turn], history=histories[i]) for i in rows]
         for ids in encoded:
             pair.check_fits(ids, plan.max_new_tokens)
-        results = decoder.generate_batch(encoded, plan.max_new_tokens, seed, ignore_eos=plan.ignore_eos)
+        results = generate(encoded, seed)
         total["prefill_seconds"] += results[0].prefill_seconds
         total["decode_seconds"] += max(r.decode_seconds for r in results)
         total["blocks"] += max(len(r.steps) for r in results)  # target forwards of the batch
@@ -140,13 +147,12 @@ def run_batches(
     alone and speculative, `repeats` times each, after a short warm-up batch per mode. Returns (runs,
     partial): Ctrl-C stops early, and the summary compares only batches measured in both modes."""
     runs: list[dict] = []
-    warmup = replace(plan, max_new_tokens=min(WARMUP_TOKENS, plan.max_new_tokens))
     try:
         for size, mode in plan.batch_modes():
+            generate = batch_generator(pair, mode, plan, plan.max_new_tokens)
+            warm = batch_generator(pair, mode, plan, min(WARMUP_TOKENS, plan.max_new_tokens))
             for _ in range(plan.warmup):
-                run_batch(
-                    pair, [Prompt(p.id, p.category, p.turns[:1]) for p in prompts[:size]], mode, warmup, plan.seed
-                )
+                run_batch(pair, [Prompt(p.id, p.category, p.turns[:1]) for p in prompts[:size]], warm, plan, plan.seed)
             for start in range(0, len(prompts), size):
                 if on_batch:
                     on_batch(size, mode, start, len(prompts))
@@ -156,8 +162,11 @@ def run_batches(
                         "batch_size": size,
                         "temperature": mode.temperature,
                         "gamma": mode.gamma,
+                        "engine": mode.engine,
                         "prompt_ids": [p.id for p in group],
-                        "repeats": [run_batch(pair, group, mode, plan, plan.seed + start) for _ in range(plan.repeats)],
+                        "repeats": [
+                            run_batch(pair, group, generate, plan, plan.seed + start) for _ in range(plan.repeats)
+                        ],
                     }
                 )
     except KeyboardInterrupt:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from specdec_cli.bench.plan import SPECDEC
+from specdec_cli.bench.plan import HF, SPECDEC
 from specdec_cli.bench.report import OVERALL, temperature_label
 from specdec_cli.decoding.metrics import (
     StepRecord,
@@ -183,22 +183,28 @@ def gate_failures(summary: list[dict], min_speedup: float | None, min_accept_len
 
 
 def _batch_groups(runs: list[dict], batch_runs: list[dict]) -> dict[tuple, list[dict]]:
-    """(batch size, temperature, gamma) -> its runs; batch 1 from the per-prompt runs."""
+    """(batch size, temperature, gamma, engine) -> its runs; batch 1 from the per-prompt runs."""
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
-        if r["engine"] == SPECDEC:
-            groups.setdefault((1, r["temperature"], r["gamma"]), []).append(r)
+        groups.setdefault((1, r["temperature"], r["gamma"], r["engine"]), []).append(r)
     for r in batch_runs:
-        groups.setdefault((r["batch_size"], r["temperature"], r["gamma"]), []).append(r)
+        groups.setdefault((r["batch_size"], r["temperature"], r["gamma"], r.get("engine", SPECDEC)), []).append(r)
     return groups
 
 
-def _total_tps(runs: list[dict]) -> list[float]:
-    """Per repeat: all tokens over all decode wall time (a batch's rows decode at the same time)."""
+def _total_tps(runs: list[dict], end_to_end: bool = False) -> list[float]:
+    """Per repeat: all tokens over all decode wall time (a batch's rows decode at the same time), or
+    over all wall time with prefill (a peer's time is its whole call already)."""
     repeats = min(len(r["repeats"]) for r in runs)
     return [
         sum(r["repeats"][i]["new_tokens"] for r in runs)
-        / max(sum(r["repeats"][i]["decode_seconds"] for r in runs), 1e-9)
+        / max(
+            sum(
+                r["repeats"][i]["decode_seconds"] + (end_to_end and r["repeats"][i].get("prefill_seconds") or 0)
+                for r in runs
+            ),
+            1e-9,
+        )
         for i in range(repeats)
     ]
 
@@ -220,6 +226,8 @@ def _rows_tokens(run: dict) -> dict[str, list[int]]:
 
 def _greedy_identical(spec: list[dict], alone: list[dict]) -> int | None:
     """Prompts whose greedy speculative tokens at this batch size equal target-only tokens alone."""
+    if not alone or not all("token_ids" in r["repeats"][0] for r in spec + alone):
+        return None  # a record from before token ids were kept
     reference = {k: v for r in alone for k, v in _rows_tokens(r).items()}
     ours = {k: v for r in spec for k, v in _rows_tokens(r).items()}
     return sum(reference.get(k) == v for k, v in ours.items()) if reference else None
@@ -231,8 +239,9 @@ def summarize_batches(runs: list[dict], batch_runs: list[dict]) -> list[dict]:
     smallest batch size whose speedup fell below 1 (None: none measured)."""
     groups = _batch_groups(runs, batch_runs)
     out = []
-    for size, temperature, gamma in sorted(k for k in groups if k[2] > 0):
-        base, spec = groups.get((size, temperature, 0)), groups[(size, temperature, gamma)]
+    for size, temperature, gamma, _ in sorted(k for k in groups if k[2] > 0 and k[3] == SPECDEC):
+        base, spec = groups.get((size, temperature, 0, SPECDEC)), groups[(size, temperature, gamma, SPECDEC)]
+        peer = groups.get((size, temperature, 0, HF))
         if not base:
             continue
         base_tps, spec_tps = _total_tps(base), _total_tps(spec)
@@ -253,7 +262,12 @@ def summarize_batches(runs: list[dict], batch_runs: list[dict]) -> list[dict]:
                 # what a (batch x (gamma + 1))-token verification costs against a batch x 1 forward
                 "target_forward_seconds": _forward_seconds(base),
                 "verification_forward_seconds": _forward_seconds(spec),
-                "greedy_identical": _greedy_identical(spec, groups.get((1, 0.0, 0), [])) if temperature == 0 else None,
+                "greedy_identical": (
+                    _greedy_identical(spec, groups.get((1, 0.0, 0, SPECDEC), [])) if temperature == 0 else None
+                ),
+                # transformers' plain generate() at this batch size, timed whole: set beside specdec's end to end
+                "speculative_end_to_end_tokens_per_second": median_and_spread(_total_tps(spec, end_to_end=True)),
+                "peer_tokens_per_second": median_and_spread(_total_tps(peer)) if peer else None,
             }
         )
     for row in out:
