@@ -56,8 +56,8 @@ class FeatureDrafter:
 
     def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None) -> Drafts:
         # a row after a one-token prompt has no state to read yet: it drafts nothing this block
-        stateless = torch.tensor([not p for p in self.pending], device=self.model.device)
-        if bool(stateless.all()):
+        rows_without_state = [not p for p in self.pending]  # decided on the host: no device sync
+        if all(rows_without_state):
             return (
                 torch.zeros(len(self.pending), 0, dtype=torch.long, device=self.model.device),
                 None
@@ -78,6 +78,7 @@ class FeatureDrafter:
             tokens.append(token)
             probs.append(q)
         drafts, q = stack_drafts(tokens, probs)
+        stateless = torch.tensor(rows_without_state, device=self.model.device)
         drafts = drafts.masked_fill(stateless[:, None], NOT_DRAFTED)
         return drafts, None if q is None else q.masked_fill(stateless[:, None, None], 0.0)
 
