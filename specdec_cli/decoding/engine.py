@@ -150,6 +150,8 @@ class SpeculativeDecoder:
         """Decode the prompts together, one row each. Every row accepts its own number of drafts per
         block and sees only its own context; a row that stops (EOS, limit) leaves the batch, so it
         costs no more target or draft work. `on_tokens` streams a single prompt's tokens."""
+        if on_tokens is not None and len(prompts) > 1:
+            raise ValueError("on_tokens streams one prompt's tokens: decode a batch without it")
         device = self.target.device
         generator = torch.Generator(device=device).manual_seed(seed)
         results = [GenerationResult(prompt_ids=list(p)) for p in prompts]
@@ -218,7 +220,7 @@ class SpeculativeDecoder:
                     staying.append(i)
             if on_tokens is not None:  # showing tokens is not decoding: keep it off the clock
                 shown = time.perf_counter()
-                on_tokens(results[0].token_ids[-emitted:], min(accepted[0], emitted))
+                on_tokens(results[0].token_ids[-emitted:], min(accepted[0], emitted))  # the one row's block
                 display_seconds += time.perf_counter() - shown
             if len(staying) < batch and staying:  # rows that stopped leave the caches
                 self.target.keep(staying)
