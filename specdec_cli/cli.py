@@ -287,6 +287,27 @@ def distill(
         typer.Option(help="Training prompts (text, JSONL or Spec-Bench JSONL) (default: the built-in training set)."),
     ] = None,
     layers: Annotated[int, typer.Option(min=1, help="Decoder layers of the draft.")] = 1,
+    target_layers: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Target hidden states the draft reads, comma-separated indices of transformers' hidden_states "
+            "(i: the input of layer i; -1: the last, after the final norm) (default: 2, L/2 and L-3 of L "
+            "layers, as EAGLE-3).",
+        ),
+    ] = None,
+    init_layers: Annotated[
+        Optional[str],
+        typer.Option(help="Target layers the draft's layers start as, comma-separated (default: evenly spaced)."),
+    ] = None,
+    zero_features: Annotated[
+        bool,
+        typer.Option(
+            "--zero-features", help="Start as a token-only draft: the target's states enter through weights at 0."
+        ),
+    ] = False,
+    position_decay: Annotated[
+        float, typer.Option(min=0.0, help="Loss weight of draft position k is DECAY**k (later tokens count less).")
+    ] = 0.8,
     draft_steps: Annotated[
         int,
         typer.Option(
@@ -318,8 +339,8 @@ def distill(
     dtype: Annotated[
         Optional[str],
         typer.Option(
-            help="Dtype of the target while it writes the corpus (most of the cost); the config's `auto` means "
-            "bfloat16 here."
+            help="Dtype of the target while it writes the corpus and its labels (default: the config's; `auto` "
+            "is the dtype it decodes in, float32 on CPU)."
         ),
     ] = None,
     threads: ThreadsOpt = None,
@@ -344,6 +365,10 @@ def distill(
 
     settings = distillation.DistillSettings(
         num_layers=layers,
+        target_layers=tuple(parse_list(target_layers, int, "--target-layers") or ()) or None,
+        init_layers=tuple(parse_list(init_layers, int, "--init-layers") or ()) or None,
+        zero_features=zero_features,
+        position_decay=position_decay,
         draft_steps=draft_steps,
         draft_vocab=vocab,
         answers_per_prompt=answers_per_prompt,

@@ -34,13 +34,22 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from specdec_cli import display, records
 from specdec_cli.config import Config
 from specdec_cli.models.checkpoints import load_model
-from specdec_cli.models.feature_draft import feature_inputs, init_draft, own_weights, save_draft, spaced_layers
-from specdec_cli.models.pair import DTYPES, resolve_device
+from specdec_cli.models.feature_draft import (
+    check_target_layers,
+    feature_inputs,
+    init_draft,
+    own_weights,
+    read_target,
+    save_draft,
+    starting_layers,
+    target_layers,
+)
+from specdec_cli.models.pair import resolve_device, resolve_dtype
 from specdec_cli.models.tokens import encode_prompt, eos_token_ids, padding_id
 
 WORK = "distill-work"  # subfolder of the output: corpus and training state until training ends
 STATE = "train-state.pt"
-FEATURES = "target-features.pt"
+FEATURES = "target-features-{}.pt"
 GENERATION_BATCH = 32  # sampling many answers at once is far faster than one by one
 PROMPT_TOKENS = 64  # most tokens of a prompt the target writes
 
@@ -48,6 +57,12 @@ PROMPT_TOKENS = 64  # most tokens of a prompt the target writes
 @dataclass
 class DistillSettings:
     num_layers: int = 1
+    # the target hidden states the draft reads (indices of transformers' `hidden_states`, -1 the
+    # last); None: the inputs of layers 2, L // 2 and L - 3, as EAGLE-3 reads them
+    target_layers: tuple[int, ...] | None = None
+    init_layers: tuple[int, ...] | None = None  # target layers the draft's layers start from (None: spaced)
+    zero_features: bool = False  # start as a token-only draft (the state's part of the projection 0)
+    position_decay: float = 0.8  # loss weight of draft position k is decay ** k (EAGLE-3)
     draft_steps: int = 3  # draft positions trained: the 1st reads target states, later ones its own
     answers_per_prompt: int = 4  # sampled at temperature 1, plus one greedy answer
     synthetic_prompts: int = 2048  # prompts the target writes itself, answered once each
@@ -58,7 +73,7 @@ class DistillSettings:
     batch_size: int = 8
     learning_rate: float = 1e-3
     eval_every: int = 250
-    heldout_prompts: float = 0.04
+    heldout_prompts: float = 0.1  # of the given prompts: their answers are never trained on
     seed: int = 0
 
 
@@ -218,11 +233,22 @@ def batches(corpus: list[dict], batch_size: int, seed: int, step: int):
         yield [corpus[i] for i in group]
 
 
+def read_layers(settings: DistillSettings, target: PreTrainedModel) -> tuple[int, ...]:
+    """The target states the draft reads: the settings', or the inputs of layers 2, L // 2 and L - 3
+    (EAGLE-3's choice: low, middle and high; all of them on a target of 3 layers or fewer)."""
+    count = target.config.num_hidden_layers
+    default = (2, count // 2, count - 3) if count > 3 else tuple(range(count + 1))
+    return settings.target_layers or default
+
+
 @torch.inference_mode()
-def add_target_features(target: PreTrainedModel, corpus: list[dict], pad: int, work: Path) -> None:
-    """The target's last hidden state at every token but the last of each answer's sequence, which
-    the draft reads beside the next token (kept in the work folder, so a restart skips this pass)."""
-    path = work / FEATURES
+def add_target_features(
+    target: PreTrainedModel, corpus: list[dict], pad: int, work: Path, layers: tuple[int, ...]
+) -> None:
+    """The target's hidden states `layers` at every token but the last of each answer's sequence,
+    which the draft reads beside the next token (kept in the work folder, one file per choice of
+    layers, so a restart or a retrain reading the same layers skips this pass)."""
+    path = work / FEATURES.format("_".join(map(str, layers)))
     if path.is_file():
         features = torch.load(path)
     else:
@@ -238,7 +264,8 @@ def add_target_features(target: PreTrainedModel, corpus: list[dict], pad: int, w
                     output_hidden_states=True,
                     logits_to_keep=1,
                 )
-                features += [out.hidden_states[-1][row, : len(seq)].cpu() for row, seq in enumerate(seqs)]
+                states = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
+                features += [states[row, : len(seq)].cpu() for row, seq in enumerate(seqs)]
                 bar.update(task, advance=len(seqs))
         torch.save(features, path)
     for answer, state in zip(corpus, features):
@@ -255,7 +282,7 @@ def pad_right(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tens
 @dataclass
 class Batch:
     ids: torch.Tensor  # [B, L] input j is token j + 1 of prompt + answer, right-padded ...
-    features: torch.Tensor  # [B, L, hidden] ... beside the target's state at token j
+    features: torch.Tensor  # [B, L, taps * hidden] ... beside the target's states at token j
     mask: torch.Tensor
     rows: torch.Tensor  # [N] (row, column) of every input whose output predicts an answer token
     cols: torch.Tensor
@@ -300,7 +327,8 @@ def draft_log_probs(
     behind = positions[:, None] - positions[None, :]
     cache = DynamicCache(config=draft.config)
     log_probs = []
-    features = batch.features
+    target_states = read_target(draft, batch.features)
+    features = target_states
     # the borrowed embedding and head are in the target's dtype (bfloat16 for speed): compute in it
     with torch.autocast(
         device_type=batch.ids.device.type, dtype=autocast or torch.float32, enabled=autocast is not None
@@ -315,13 +343,16 @@ def draft_log_probs(
             ).last_hidden_state
             log_probs.append(draft.lm_head.scores(hidden[batch.rows, batch.cols]).float().log_softmax(-1))
             # input j's output stands in for the target's state at token j + 1
-            features = torch.cat([batch.features[:, :1], hidden[:, :-1].to(features.dtype)], dim=1)
+            features = torch.cat([target_states[:, :1], hidden[:, :-1].to(target_states.dtype)], dim=1)
     return log_probs
 
 
-def distillation_loss(log_probs: list[torch.Tensor], batch: Batch) -> torch.Tensor:
-    """Cross-entropy against the target's top-k probabilities, per position, over draft steps."""
-    return sum(-(batch.weights * q_log.gather(1, batch.targets)).sum(1).mean() for q_log in log_probs) / len(log_probs)
+def distillation_loss(log_probs: list[torch.Tensor], batch: Batch, decay: float) -> torch.Tensor:
+    """Cross-entropy against the target's top-k probabilities, per position, weighted over draft
+    steps by decay ** k: a later draft token only counts if the ones before it were accepted."""
+    weights = [decay**k for k in range(len(log_probs))]
+    losses = [-(batch.weights * q_log.gather(1, batch.targets)).sum(1).mean() for q_log in log_probs]
+    return sum(w * loss for w, loss in zip(weights, losses)) / sum(weights)
 
 
 @torch.no_grad()
@@ -364,7 +395,8 @@ def train(
     work: Path,
 ) -> tuple[PreTrainedModel, list[dict]]:
     pad = padding_id(tokenizer)
-    add_target_features(target, corpus, pad, work)
+    taps = read_layers(settings, target)
+    add_target_features(target, corpus, pad, work, taps)
     torch.manual_seed(settings.seed)
     num_prompts = len({tuple(a["prompt"]) for a in corpus if not a.get("synthetic")})
     heldout_prompts = {tuple(a["prompt"]) for a in corpus[: max(1, round(num_prompts * settings.heldout_prompts))]}
@@ -374,7 +406,7 @@ def train(
     token_ids = choose_vocabulary(training, vocab_size, settings.draft_vocab, eos_token_ids(target, tokenizer))
     to_subset = torch.full((vocab_size,), -1, dtype=torch.long)
     to_subset[token_ids] = torch.arange(len(token_ids))
-    draft = init_draft(target, settings.num_layers, token_ids)
+    draft = init_draft(target, settings.num_layers, token_ids, taps, settings.init_layers, settings.zero_features)
     autocast = target.dtype if target.dtype != torch.float32 else None
     trainable = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=settings.learning_rate, weight_decay=0.0)
@@ -426,7 +458,8 @@ def train(
         try:
             while step < settings.steps:
                 batch = make_batch(next(stream), pad, to_subset, draft.device)
-                loss = distillation_loss(draft_log_probs(draft, batch, autocast, settings.draft_steps), batch)
+                log_probs = draft_log_probs(draft, batch, autocast, settings.draft_steps)
+                loss = distillation_loss(log_probs, batch, settings.position_decay)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(trainable, 1.0)
@@ -474,9 +507,10 @@ def save(
         {
             "target": target_name,
             "borrowed_from_target": ["input embedding", "LM head rows of its vocabulary"],
-            "initialised_from_target_layers": spaced_layers(
-                target.config.num_hidden_layers, draft.config.num_hidden_layers
+            "initialised_from_target_layers": starting_layers(
+                target.config, draft.config.num_hidden_layers, settings.init_layers
             ),
+            "reads_target_layers": list(target_layers(draft)),
             "vocabulary_size": len(draft.lm_head.token_ids),
             "settings": vars(settings),
             "log": log,
@@ -484,20 +518,18 @@ def save(
     )
 
 
-def corpus_dtype(cfg: Config) -> torch.dtype:
-    """The target's dtype while it writes the corpus: the config's (a flag's, when given); `auto` is
-    bfloat16 here, since writing the corpus is most of the cost."""
-    return torch.bfloat16 if cfg.runtime.dtype == "auto" else DTYPES[cfg.runtime.dtype]
-
-
 def distill(cfg: Config, prompts: list[str], settings: DistillSettings, out: Path, keep_work: bool) -> None:
     """The whole command: corpus, training, the saved draft and its record."""
     if cfg.runtime.threads:
         torch.set_num_threads(cfg.runtime.threads)
     device = resolve_device(cfg.runtime.device)
-    dtype = corpus_dtype(cfg)
+    # the dtype the target decodes in (`auto`: float32 on CPU, bfloat16 on CUDA), so the draft learns
+    # the very labels it will be checked against
+    dtype = resolve_dtype(cfg.runtime.dtype, device)
     with display.stderr.status(f"Loading {cfg.target.describe()}..."):
         target, tokenizer = load_model(cfg.target, device, dtype)
+    check_target_layers(read_layers(settings, target), target.config)  # before an hour of corpus
+    starting_layers(target.config, settings.num_layers, settings.init_layers)
     work = out / WORK  # corpus and training state: what a resumed run continues from
     work.mkdir(parents=True, exist_ok=True)
     corpus = build_corpus(target, tokenizer, [encode_prompt(tokenizer, t) for t in prompts], settings, work)

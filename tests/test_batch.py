@@ -15,6 +15,7 @@ from specdec_cli.bench.summary import summarize_batches
 from specdec_cli.cli import app
 from specdec_cli.config import TinyModel, parse_config
 from specdec_cli.decoding import engine
+from specdec_cli.decoding.cache import CachedModel
 from specdec_cli.decoding.engine import SpeculativeDecoder
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.drafters.feature import FeatureDrafter
@@ -22,7 +23,7 @@ from specdec_cli.drafters.model import ModelDrafter
 from specdec_cli.drafters.ngram import NgramDrafter
 from specdec_cli.errors import EXIT_BAD_INPUT
 from specdec_cli.models.checkpoints import build_tiny
-from specdec_cli.models.feature_draft import init_draft
+from specdec_cli.models.feature_draft import init_draft, target_layers
 from specdec_cli.models.pair import load_pair
 
 PROMPTS = [
@@ -45,12 +46,13 @@ def drafter_of(kind: str, target, noisy_draft):
         return ModelDrafter(cached(target))
     if kind == "noisy":
         return ModelDrafter(cached(noisy_draft))
-    if kind == "feature":
-        return FeatureDrafter(cached(init_draft(target, 1, torch.arange(target.config.vocab_size)).eval()))
+    if kind.startswith("feature"):
+        taps = (0, 1, 2) if kind == "feature-taps" else (-1,)  # three layers fused, or the last state
+        return FeatureDrafter(cached(init_draft(target, 1, torch.arange(target.config.vocab_size), taps).eval()))
     return NgramDrafter(3, 1, target.config.vocab_size, torch.device("cpu"))
 
 
-@pytest.mark.parametrize("kind", ["same", "noisy", "feature", "ngram"])
+@pytest.mark.parametrize("kind", ["same", "noisy", "feature", "feature-taps", "ngram"])
 @pytest.mark.parametrize("gamma", [1, 4])
 def test_each_row_is_its_prompt_alone(tiny_target, noisy_draft, tokenizer, kind, gamma):
     prompts = [tokenizer.encode(p) for p in PROMPTS]
@@ -58,7 +60,10 @@ def test_each_row_is_its_prompt_alone(tiny_target, noisy_draft, tokenizer, kind,
     expected = [alone.generate(p, 24, 0).token_ids for p in prompts]
     eos = expected[2][3]  # the third row's 4th token ends it early; the other rows go on past it
     expected = [e[: e.index(eos) + 1] if eos in e else e for e in expected]
-    decoder = SpeculativeDecoder(cached(tiny_target), drafter_of(kind, tiny_target, noisy_draft), GREEDY, gamma, {eos})
+    drafter = drafter_of(kind, tiny_target, noisy_draft)
+    taps = target_layers(drafter.model.model) if kind.startswith("feature") else (-1,)
+    target = CachedModel(tiny_target, tiny_target.config.vocab_size, taps)  # the states the draft reads
+    decoder = SpeculativeDecoder(target, drafter, GREEDY, gamma, {eos})
     rows = decoder.generate_batch(prompts, 24, 0)
     assert [r.token_ids for r in rows] == expected
     assert rows[2].stop_reason == "eos" and len(rows[2].token_ids) <= 4

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -15,9 +16,9 @@ from specdec_cli import verify
 from specdec_cli.cli import app
 from specdec_cli.config import load_config
 from specdec_cli.decoding.params import SamplingParams
-from specdec_cli.distill import Batch, corpus_dtype, draft_log_probs
+from specdec_cli.distill import Batch, draft_log_probs
 from specdec_cli.errors import EXIT_BAD_INPUT
-from specdec_cli.models.feature_draft import DRAFT_INFO, feature_inputs, init_draft
+from specdec_cli.models.feature_draft import DRAFT_INFO, feature_inputs, init_draft, read_target
 from specdec_cli.models.pair import load_pair
 from specdec_cli.options import configure
 
@@ -187,16 +188,31 @@ def test_a_draft_for_another_target_is_refused(distilled, tmp_path):
     assert refused.exit_code == EXIT_BAD_INPUT and "was distilled for" in refused.output
 
 
+def test_a_draft_reading_layers_the_target_lacks_is_refused(distilled, tmp_path):
+    # the tiny target has 2 layers: its hidden states are 0 .. 2
+    assert distilled.info["reads_target_layers"] == [0, 1, 2]
+    broken = tmp_path / "draft"
+    shutil.copytree(distilled.out, broken)
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "specdec_target_layers": [0, 1, 7]}))
+    pair = yaml.safe_load(distilled.pair_config.read_text())
+    (tmp_path / "pair.yaml").write_text(yaml.safe_dump({**pair, "draft": {"checkpoint": str(broken)}}))
+    refused = runner.invoke(app, ["generate", "-c", str(tmp_path / "pair.yaml"), "-p", "Hello"])
+    assert refused.exit_code == EXIT_BAD_INPUT
+    assert "target layer ids [0, 1, 7] do not fit a target of 2 layers" in refused.output
+
+
+@pytest.mark.parametrize("taps", [(-1,), (0, 1, 2)], ids=["last state", "three layers fused"])
 @torch.no_grad()
-def test_training_sees_what_drafting_sees(tiny_target):
+def test_training_sees_what_drafting_sees(tiny_target, taps):
     """Each training step's prediction equals the one drafting makes from the same verified text:
     the target's states up to input t, then the draft's own outputs for the tokens it drafted."""
     torch.manual_seed(0)
     vocab, width, length, draft_steps = tiny_target.config.vocab_size, tiny_target.config.hidden_size, 12, 3
-    draft = init_draft(tiny_target, 1, torch.arange(vocab)).eval()
+    draft = init_draft(tiny_target, 1, torch.arange(vocab), taps).eval()
     for weight in draft.parameters():  # away from the target's layer, so each step's input matters
         weight.add_(0.05 * torch.randn_like(weight))
-    ids, states = torch.randint(0, vocab, (1, length)), torch.randn(1, length, width)
+    ids, states = torch.randint(0, vocab, (1, length)), torch.randn(1, length, len(taps) * width)
     unused = torch.zeros(length, dtype=torch.long)
     batch = Batch(
         ids,
@@ -211,21 +227,20 @@ def test_training_sees_what_drafting_sees(tiny_target):
     )
     trained = draft_log_probs(draft, batch, None, draft_steps)
     for t in range(length - draft_steps + 1):  # verified text ends at input t
-        features = states[:, : t + 1]
+        features = read_target(draft, states[:, : t + 1])
         for step in range(draft_steps):
             hidden = draft.model(
                 inputs_embeds=feature_inputs(draft, ids[:, : t + step + 1], features)
             ).last_hidden_state
             drafting = draft.lm_head.scores(hidden[0, t + step]).log_softmax(-1)
             torch.testing.assert_close(trained[step][t + step], drafting, atol=1e-4, rtol=1e-4)
-            features = torch.cat([states[:, : t + 1], hidden[:, t : t + step + 1]], dim=1)
+            features = torch.cat([read_target(draft, states[:, : t + 1]), hidden[:, t : t + step + 1]], dim=1)
 
 
 def test_flags_override_the_yaml_only_when_given(write_config):
     config = str(write_config({"runtime": {"device": "cpu", "dtype": "float32"}}))
-    assert corpus_dtype(configure(config, runtime__dtype=None)) == torch.float32  # no flag: the YAML's
-    assert corpus_dtype(configure(config, runtime__dtype="bfloat16")) == torch.bfloat16
-    assert corpus_dtype(configure(str(write_config({"runtime": {"dtype": "auto"}})))) == torch.bfloat16
+    assert configure(config, runtime__dtype=None).runtime.dtype == "float32"  # no flag: the YAML's
+    assert configure(config, runtime__dtype="bfloat16").runtime.dtype == "bfloat16"
     pair = load_pair(load_config(config))
     assert pair.decoder(SamplingParams(), num_draft_tokens=0).gamma == 0  # an explicit 0 is not "not given"
     assert pair.decoder(SamplingParams()).gamma == 3

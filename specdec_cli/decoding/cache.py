@@ -17,7 +17,7 @@ ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
 
 class Output(NamedTuple):
     logits: torch.Tensor  # [B, n, vocab_size] float32 ([B, 1, V] with last_only: each row's last real input)
-    hidden: torch.Tensor | None  # [B, n, hidden] the last layer's states (what the head reads), if asked
+    hidden: torch.Tensor | None  # [B, n, taps * hidden] the states of `state_layers`, if asked
 
 
 def right_padded(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, list[int]]:
@@ -89,7 +89,7 @@ class CachedModel:
     layer). Keys a window has passed are kept, so a rollback never needs evicted keys.
     """
 
-    def __init__(self, model: PreTrainedModel, vocab_size: int):
+    def __init__(self, model: PreTrainedModel, vocab_size: int, state_layers: tuple[int, ...] = (-1,)):
         config = model.config.get_text_config()
         unsupported = set(getattr(config, "layer_types", None) or ()) - ATTENTION_LAYERS
         if unsupported:
@@ -100,6 +100,9 @@ class CachedModel:
             )
         self.model = model
         self.vocab_size = vocab_size
+        # hidden states handed out on request (indices into transformers' `hidden_states`; -1 is
+        # the last, after the final norm), side by side
+        self.state_layers = state_layers
         self.device = model.device
         self.num_layers = config.num_hidden_layers
         self.layer_types = getattr(config, "layer_types", None)
@@ -151,7 +154,8 @@ class CachedModel:
         if last_only and ragged:
             last = torch.tensor(counts, device=self.device) - 1
             logits = logits[torch.arange(len(counts), device=self.device), last][:, None]
-        return Output(self.fit_vocabulary(logits.float()), out.hidden_states[-1] if hidden else None)
+        states = torch.cat([out.hidden_states[i] for i in self.state_layers], dim=-1) if hidden else None
+        return Output(self.fit_vocabulary(logits.float()), states)
 
     def mask(self, positions: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
         """[B, 1, n, visible] True where a query may attend to a key: the row's own keys at or below

@@ -23,7 +23,8 @@ Drafts = tuple[torch.Tensor, torch.Tensor | None]  # draft tokens [B, g] and the
 
 
 class Drafter(Protocol):
-    # whether `start` and `commit` get the target's last-layer hidden states (None otherwise)
+    # whether `start` and `commit` get the target's hidden states (those of the layers the draft
+    # reads, side by side; None otherwise)
     reads_target_states: bool
 
     def start(self, prompts: Rows, max_tokens: int, target_states: States) -> None:

@@ -10,7 +10,7 @@ from specdec_cli.decoding.cache import CachedModel, right_padded
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.drafters.base import NOT_DRAFTED, Drafts, Rows, States
 from specdec_cli.drafters.model import draft_token, stack_drafts
-from specdec_cli.models.feature_draft import feature_inputs
+from specdec_cli.models.feature_draft import feature_inputs, read_target
 
 
 class FeatureDrafter:
@@ -35,22 +35,21 @@ class FeatureDrafter:
             self.pending_states = [s[-1:] if s is not None else None for s in self.pending_states]
 
     def _forward(self, rows: list[list[int]], states: list[torch.Tensor | None]):
-        """Feed each row its tokens beside their states (rows of different lengths are padded)."""
+        """Feed each row its tokens beside the target's states (rows of different lengths are padded)."""
         ids, counts = right_padded(rows, self.model.device)
         width = ids.shape[1]
         padded = torch.zeros(
             len(rows),
             width,
-            self.model.model.config.hidden_size,
+            next(s for s in states if s is not None).shape[-1],
             device=self.model.device,
             dtype=next(s for s in states if s is not None).dtype,
         )
         for row, state in enumerate(states):
             if state is not None:
                 padded[row, : len(state)] = state
-        out = self.model.forward(
-            inputs_embeds=feature_inputs(self.model.model, ids, padded), counts=counts, last_only=True, hidden=True
-        )
+        inputs = feature_inputs(self.model.model, ids, read_target(self.model.model, padded))
+        out = self.model.forward(inputs_embeds=inputs, counts=counts, last_only=True, hidden=True)
         last = (torch.tensor(counts, device=self.model.device) - 1).clamp_min(0)
         return out.logits[:, -1], out.hidden[torch.arange(len(rows), device=self.model.device), last][:, None]
 

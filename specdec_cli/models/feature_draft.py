@@ -3,6 +3,9 @@
 layer or two can predict what the 30-layer target will say next far better than a small model that
 sees tokens only. Its parts:
 
+- `TAPS` (drafts that read several target layers, as EAGLE-3 does): each layer's state
+  RMS-normalised, one linear map of them all to the draft's width, and a norm; drafts without it
+  read the target's last state (after its final norm) as it is.
 - `FEATURES`: a linear map of [token embedding, hidden state] to the width of its layers.
 - A few decoder layers of the target's architecture and width, and a final norm; their output is
   both its next-token prediction (through the head) and the state it reads beside its own next
@@ -33,14 +36,47 @@ DRAFT_INFO = "specdec-draft.json"
 EMBEDDING = "model.embed_tokens.weight"  # borrowed from the target, never stored
 TOKEN_IDS = "specdec.token_ids"  # the target token ids the draft's head scores
 FEATURES = "feature_projection"  # the draft's module that reads [embedding, hidden state]
+TAPS = "tap_fusion"  # the draft's module that fuses the target layers it reads into one state
+# config key: which of the target's hidden states the draft reads, as indices into transformers'
+# `hidden_states` (0 the embedding output, i the input of layer i, -1 the last, after the final norm)
+TARGET_LAYERS = "specdec_target_layers"
+LAST = (-1,)
 
 
 def is_feature_draft(model: torch.nn.Module) -> bool:
     return hasattr(model, FEATURES)
 
 
+def target_layers(draft: PreTrainedModel) -> tuple[int, ...]:
+    return tuple(getattr(draft.config, TARGET_LAYERS, None) or LAST)
+
+
+class TapFusion(torch.nn.Module):
+    """[..., taps * width] target states -> [..., width]. Each tap is RMS-normalised first: the
+    residual stream's scale grows by orders of magnitude through the layers. The output norm puts
+    the result on the scale of the draft's own states, which take its place at later draft steps."""
+
+    def __init__(self, width: int, taps: int, eps: float):
+        super().__init__()
+        self.width, self.eps = width, eps
+        self.linear = torch.nn.Linear(taps * width, width, bias=False)
+        self.norm = torch.nn.RMSNorm(width, eps=eps)
+
+    def forward(self, states: torch.Tensor) -> torch.Tensor:
+        taps = states.unflatten(-1, (-1, self.width))
+        normed = torch.nn.functional.rms_norm(taps, (self.width,), eps=self.eps).flatten(-2)
+        return self.norm(self.linear(normed.to(self.linear.weight.dtype)))
+
+
+def read_target(draft: PreTrainedModel, states: torch.Tensor) -> torch.Tensor:
+    """The target's states as the draft reads them [..., width] (fused when it reads several layers)."""
+    fusion = getattr(draft, TAPS, None)
+    return states if fusion is None else fusion(states)
+
+
 def feature_inputs(draft: PreTrainedModel, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-    """The draft's input vectors: token j + 1's embedding beside the hidden state at token j."""
+    """The draft's input vectors: token j + 1's embedding beside the state at token j (the target's,
+    through `read_target`, or the draft's own)."""
     embeddings = draft.get_input_embeddings()(input_ids)
     return getattr(draft, FEATURES)(torch.cat([embeddings, features.to(embeddings.dtype)], dim=-1))
 
@@ -72,18 +108,51 @@ def borrow_from_target(draft: PreTrainedModel, target: PreTrainedModel, token_id
 
 
 def add_feature_projection(draft: PreTrainedModel) -> torch.nn.Linear:
+    """The projection, and the tap fusion when the draft's config names several target layers."""
     width = draft.config.hidden_size
     projection = torch.nn.Linear(2 * width, width, bias=False)
     setattr(draft, FEATURES, projection)
+    if target_layers(draft) != LAST:
+        setattr(draft, TAPS, TapFusion(width, len(target_layers(draft)), draft.config.rms_norm_eps))
     return projection
 
 
-def init_draft(target: PreTrainedModel, num_layers: int, token_ids: torch.Tensor) -> PreTrainedModel:
-    """A feature draft for a Llama-style target (`model.layers`, `model.norm`): evenly spaced target
-    layers (first and last included) and its final norm, trainable in float32; the projection
-    starts as embedding + scaled state; the embedding and the head subset borrowed and frozen."""
+def check_target_layers(layers: tuple[int, ...], target_config) -> None:
+    count = target_config.num_hidden_layers
+    wrong = [i for i in layers if not (0 <= i <= count or i == -1)]
+    if wrong or not layers:
+        raise SpecdecError(
+            f"target layer ids {list(layers)} do not fit a target of {count} layers "
+            f"(0 .. {count} are the inputs of its layers and its last state; -1 is the last)"
+        )
+
+
+def starting_layers(target_config, num_layers: int, init_layers: tuple[int, ...] | None) -> list[int]:
+    """The target layers a new draft's layers are copied from (default: evenly spaced)."""
+    count = target_config.num_hidden_layers
+    chosen = list(init_layers) if init_layers else spaced_layers(count, num_layers)
+    if len(chosen) != num_layers or not all(0 <= i < count for i in chosen):
+        raise SpecdecError(f"init layers {chosen}: need {num_layers} ids of the target's {count} layers")
+    return chosen
+
+
+def init_draft(
+    target: PreTrainedModel,
+    num_layers: int,
+    token_ids: torch.Tensor,
+    taps: tuple[int, ...] = LAST,
+    init_layers: tuple[int, ...] | None = None,
+    zero_features: bool = False,
+) -> PreTrainedModel:
+    """A feature draft for a Llama-style target (`model.layers`, `model.norm`) reading the target's
+    hidden states `taps`: its layers copied from the target's `init_layers` (default: evenly spaced,
+    first and last included) and its final norm, trainable in float32. The projection starts as
+    embedding + scaled state, or with `zero_features` as the embedding alone (the copied layers
+    then start as a token-only draft); the embedding and the head subset borrowed and frozen."""
     config = target.config.__class__.from_dict(target.config.to_dict())
-    chosen = spaced_layers(config.num_hidden_layers, num_layers)
+    check_target_layers(taps, config)
+    chosen = starting_layers(config, num_layers, init_layers)
+    setattr(config, TARGET_LAYERS, list(taps))
     config.num_hidden_layers = num_layers
     config.layer_types = None  # re-derived for the new depth where the architecture uses it
     config.tie_word_embeddings = False  # the draft's head is a subset, not its embedding
@@ -98,7 +167,10 @@ def init_draft(target: PreTrainedModel, num_layers: int, token_ids: torch.Tensor
         # ~15x larger on SmolLM2, and would drown the token at the start of training
         width = config.hidden_size
         scale = rms(target.get_input_embeddings().weight) / rms(target.model.norm.weight)
-        add_feature_projection(draft).weight.copy_(torch.cat([torch.eye(width), scale * torch.eye(width)], dim=1))
+        state = torch.zeros(width, width) if zero_features else scale * torch.eye(width)
+        add_feature_projection(draft).weight.copy_(torch.cat([torch.eye(width), state], dim=1))
+        if hasattr(draft, TAPS):
+            getattr(draft, TAPS).norm.weight.copy_(target.model.norm.weight)
     draft.to(device=target.device)
     borrow_from_target(draft, target, token_ids)
     draft.model.embed_tokens.weight.requires_grad_(False)
@@ -142,6 +214,7 @@ def load_draft(folder: Path, target: PreTrainedModel | None, dtype: torch.dtype)
     ):
         trained_for = json.loads((folder / DRAFT_INFO).read_text()).get("target", "another target")
         raise SpecdecError(f"draft {folder} was distilled for {trained_for}: this target does not fit it")
+    check_target_layers(tuple(getattr(config, TARGET_LAYERS, None) or LAST), target.config)
     model = AutoModelForCausalLM.from_config(config)
     add_feature_projection(model)
     model.to(dtype)

@@ -21,7 +21,7 @@ from specdec_cli.drafters.model import ModelDrafter
 from specdec_cli.drafters.ngram import NgramDrafter
 from specdec_cli.errors import SpecdecError
 from specdec_cli.models.checkpoints import load_model
-from specdec_cli.models.feature_draft import is_feature_draft
+from specdec_cli.models.feature_draft import LAST, is_feature_draft, target_layers
 from specdec_cli.models.tokens import encode_prompt, eos_token_ids
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -116,15 +116,19 @@ def load_pair(config: Config) -> Pair:
     dtype = resolve_dtype(runtime.dtype, device)
     model, tokenizer = load_model(config.target, device, dtype)
     vocab_size = model.get_output_embeddings().out_features
-    target = CachedModel(model, vocab_size)
+    state_layers = LAST
     if config.draft.ngram is not None:
         drafter = NgramDrafter(config.draft.ngram.max_n, config.draft.ngram.min_n, vocab_size, device)
     else:
         draft_model, draft_tokenizer = load_model(config.draft, device, dtype, target=model)
         check_tokenizers(tokenizer, draft_tokenizer)
-        kind = FeatureDrafter if is_feature_draft(draft_model) else ModelDrafter
-        drafter = kind(CachedModel(draft_model, vocab_size))
+        if is_feature_draft(draft_model):
+            drafter = FeatureDrafter(CachedModel(draft_model, vocab_size))
+            state_layers = target_layers(draft_model)  # what the target hands the draft
+        else:
+            drafter = ModelDrafter(CachedModel(draft_model, vocab_size))
         if config.draft.lookup is not None:
             lookup = NgramDrafter(config.draft.lookup.max_n, config.draft.lookup.min_n, vocab_size, device)
             drafter = LookupFirstDrafter(lookup, drafter)
+    target = CachedModel(model, vocab_size, state_layers)
     return Pair(config, tokenizer, target, drafter, device, dtype)
