@@ -12,7 +12,10 @@ from specdec_cli.models.pair import Pair, load_pair
 
 def load(cfg: Config) -> Pair:
     with display.stderr.status(f"Loading {cfg.target.describe()} and {cfg.draft.describe()}..."):
-        return load_pair(cfg)
+        pair = load_pair(cfg)
+    if pair.draft_description:  # which format, and which target layers it reads: a wrong guess drafts badly
+        display.stderr.print(f"Draft: {pair.draft_description}")
+    return pair
 
 
 def title(cfg: Config, gamma: int, extra: str = "") -> str:
@@ -30,6 +33,7 @@ def generate_one(cfg: Config, text: str, raw: bool, as_json: bool) -> None:
     decoder = pair.decoder(SamplingParams.from_config(cfg.sampling))
     record = {
         **records.header("generate", cfg, pair.describe()),
+        "draft": pair.draft_description,
         "prompt": text,
         "raw": raw,
         "prompt_ids": prompt_ids,
@@ -71,6 +75,7 @@ def generate_many(cfg: Config, prompts: list[Prompt], raw: bool, batch_size: int
     decoder = pair.decoder(SamplingParams.from_config(cfg.sampling))
     record = {
         **records.header("generate", cfg, pair.describe()),
+        "draft": pair.draft_description,
         "raw": raw,
         "seed": cfg.sampling.seed,
         "batch_size": batch_size,

@@ -35,7 +35,7 @@ from transformers import (
 from specdec_cli.config import ModelSpec, TinyModel
 from specdec_cli.errors import FetchError, SpecdecError
 from specdec_cli.models.decode_matmul import use_decode_matmul
-from specdec_cli.models.feature_draft import DRAFT_INFO, load_draft
+from specdec_cli.models.formats import load_format
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,8 @@ BUILTIN_MODELS = {
     ),
 }
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
@@ -59,8 +61,9 @@ def cache_dir() -> Path:
 
 def load_model(
     spec: ModelSpec, device: torch.device, dtype: torch.dtype, target: PreTrainedModel | None = None
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """`target` is given when loading a draft: a distilled draft borrows its tensors."""
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """`target` is given when loading a draft: a distilled or EAGLE draft borrows its tensors. The
+    tokenizer is None for a draft folder that ships none (it uses the target's)."""
     model, tokenizer = _load(spec, device, dtype, target)
     use_decode_matmul(model)  # decoding feeds 1 to a few tokens at a time: see decode_matmul.py
     return model, tokenizer
@@ -68,7 +71,7 @@ def load_model(
 
 def _load(
     spec: ModelSpec, device: torch.device, dtype: torch.dtype, target: PreTrainedModel | None
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     transformers.utils.logging.disable_progress_bar()  # specdec shows its own status on stderr
     huggingface_hub.utils.logging.set_verbosity_error()  # one Error: line, not a log of hub retries
     if spec.tiny is not None:
@@ -77,14 +80,23 @@ def _load(
     folder = resolve_checkpoint(spec.checkpoint)
     kwargs = {"revision": spec.revision, "trust_remote_code": spec.trust_remote_code}
     try:
+        # a draft in a format of its own (specdec's, EAGLE's): recognised from the folder itself
+        draft = load_format(Path(folder), target, dtype, spec.trust_remote_code) if Path(folder).is_dir() else None
+        if draft is not None:
+            return draft.to(device).eval(), folder_tokenizer(Path(folder), kwargs)
         tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
-        if (Path(folder) / DRAFT_INFO).is_file():
-            return load_draft(Path(folder), target, dtype).to(device).eval(), tokenizer
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
     except (OSError, ValueError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise SpecdecError(f"cannot load checkpoint {spec.checkpoint!r}: {first_line}") from None
     return model.to(device).eval(), tokenizer
+
+
+def folder_tokenizer(folder: Path, kwargs: dict) -> PreTrainedTokenizerBase | None:
+    """The tokenizer a draft folder ships, or None: drafts such as EAGLE's use the target's."""
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    return AutoTokenizer.from_pretrained(folder, **kwargs)
 
 
 def resolve_checkpoint(name: str) -> str:

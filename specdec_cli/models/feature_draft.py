@@ -82,14 +82,16 @@ def feature_inputs(draft: PreTrainedModel, input_ids: torch.Tensor, features: to
 
 
 class SubsetHead(torch.nn.Module):
-    """The target's LM head restricted to `token_ids`; every other token gets logit -inf."""
+    """The target's LM head restricted to `token_ids`; every other token gets logit -inf. `weight`
+    gives the rows for `token_ids` when the draft has its own (EAGLE-3 drafts train theirs)."""
 
-    def __init__(self, target_head: torch.Tensor, token_ids: torch.Tensor):
+    def __init__(self, target_head: torch.Tensor, token_ids: torch.Tensor, weight: torch.Tensor | None = None):
         super().__init__()
         self.vocab_size = target_head.shape[0]
         # buffers, not parameters: frozen, and left out of the draft's state dict (stored by reference)
         self.register_buffer("token_ids", token_ids.to(target_head.device), persistent=False)
-        self.register_buffer("weight", target_head.detach()[self.token_ids], persistent=False)
+        rows = target_head.detach()[self.token_ids] if weight is None else weight.to(target_head.device)
+        self.register_buffer("weight", rows, persistent=False)
 
     def scores(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of the subset only [..., len(token_ids)] (what training needs)."""

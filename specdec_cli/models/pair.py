@@ -15,13 +15,18 @@ from specdec_cli.decoding.cache import CachedModel
 from specdec_cli.decoding.engine import SpeculativeDecoder
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.drafters.base import Drafter
+from specdec_cli.drafters.block import BlockDrafter
 from specdec_cli.drafters.feature import FeatureDrafter
 from specdec_cli.drafters.lookup import LookupFirstDrafter
+from specdec_cli.drafters.medusa import MedusaDrafter
 from specdec_cli.drafters.model import ModelDrafter
 from specdec_cli.drafters.ngram import NgramDrafter
 from specdec_cli.errors import SpecdecError
 from specdec_cli.models.checkpoints import load_model
+from specdec_cli.models.dflash import DFlashDraft
 from specdec_cli.models.feature_draft import LAST, is_feature_draft, target_layers
+from specdec_cli.models.formats import DRAFT_FORMAT
+from specdec_cli.models.medusa import MedusaHeads
 from specdec_cli.models.tokens import encode_prompt, eos_token_ids
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -55,6 +60,7 @@ class Pair:
     drafter: Drafter
     device: torch.device
     dtype: torch.dtype
+    draft_description: str | None = None  # the draft's format and the target states it reads
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -116,19 +122,34 @@ def load_pair(config: Config) -> Pair:
     dtype = resolve_dtype(runtime.dtype, device)
     model, tokenizer = load_model(config.target, device, dtype)
     vocab_size = model.get_output_embeddings().out_features
-    state_layers = LAST
+    state_layers, description = LAST, None
     if config.draft.ngram is not None:
         drafter = NgramDrafter(config.draft.ngram.max_n, config.draft.ngram.min_n, vocab_size, device)
     else:
         draft_model, draft_tokenizer = load_model(config.draft, device, dtype, target=model)
-        check_tokenizers(tokenizer, draft_tokenizer)
-        if is_feature_draft(draft_model):
+        if draft_tokenizer is not None:  # a draft without one (EAGLE's) uses the target's
+            check_tokenizers(tokenizer, draft_tokenizer)
+        kind = getattr(draft_model.config, DRAFT_FORMAT, None) or "causal LM"
+        if isinstance(draft_model, MedusaHeads):  # one pass of its heads drafts a block
+            drafter = MedusaDrafter(draft_model, vocab_size)
+            description = f"{kind} draft, {draft_model.num_heads} heads, reads the target's last hidden state"
+        elif isinstance(draft_model, DFlashDraft):  # one forward drafts a block
+            drafter = BlockDrafter(draft_model, vocab_size)
+            state_layers = draft_model.state_layers
+            description = (
+                f"{kind} draft, blocks of {draft_model.block_size}, reads the target's hidden states "
+                f"{list(state_layers)} (outputs of layers {draft_model.target_layer_ids})"
+            )
+        elif is_feature_draft(draft_model):
             drafter = FeatureDrafter(CachedModel(draft_model, vocab_size))
             state_layers = target_layers(draft_model)  # what the target hands the draft
+            read = "last hidden state" if state_layers == LAST else f"hidden states {list(state_layers)}"
+            description = f"{kind} draft, reads the target's {read}"
         else:
             drafter = ModelDrafter(CachedModel(draft_model, vocab_size))
+            description = f"{kind} draft, reads tokens only"
         if config.draft.lookup is not None:
             lookup = NgramDrafter(config.draft.lookup.max_n, config.draft.lookup.min_n, vocab_size, device)
             drafter = LookupFirstDrafter(lookup, drafter)
     target = CachedModel(model, vocab_size, state_layers)
-    return Pair(config, tokenizer, target, drafter, device, dtype)
+    return Pair(config, tokenizer, target, drafter, device, dtype, description)

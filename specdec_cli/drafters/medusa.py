@@ -1,0 +1,65 @@
+"""Medusa heads as a drafter: one pass of the heads over the target's last verified state drafts the
+whole block, head i the block's position i (the token after the target's own next token is head
+0's). A block has at most num_heads drafts; each position is drawn from its own head's q."""
+
+from __future__ import annotations
+
+import torch
+
+from specdec_cli.decoding.params import SamplingParams
+from specdec_cli.drafters.base import NOT_DRAFTED, Drafts, Rows, States
+from specdec_cli.drafters.model import draft_token
+from specdec_cli.models.medusa import MedusaHeads
+
+
+class MedusaDrafter:
+    reads_target_states = True  # the target's last state (after its final norm), `state_layers` (-1,)
+
+    def __init__(self, heads: MedusaHeads, vocab_size: int):
+        self.heads = heads
+        self.vocab_size = vocab_size
+        self.device = next(heads.parameters()).device
+        self.states: torch.Tensor | None = None  # [B, H] each row's state at its last verified token
+        self.has_state: list[bool] = []  # a one-token prompt has none yet: the row drafts nothing
+
+    def start(self, prompts: Rows, max_tokens: int, target_states: States) -> None:
+        # the state at the prompt's next-to-last token: the target's head there says the last
+        # prompt token, so head 0 says the token after it, the block's first draft
+        self.has_state = [len(p) > 1 for p in prompts]
+        if target_states is None:  # one-token prompts only
+            self.states = torch.zeros(len(prompts), self.heads.heads[0].in_features, device=self.device)
+            return
+        last = torch.tensor([max(len(p) - 2, 0) for p in prompts], device=self.device)
+        self.states = target_states[torch.arange(len(prompts), device=self.device), last]
+
+    def logits(self, num_heads: int) -> torch.Tensor:
+        """[B, num_heads, V]: the first heads' logits from each row's state."""
+        return self.heads(self.states.to(self.heads.heads[0].weight.dtype), num_heads)
+
+    def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None) -> Drafts:
+        batch = len(self.has_state)
+        if not any(self.has_state):
+            empty = torch.zeros(batch, 0, dtype=torch.long, device=self.device)
+            return empty, None if params.greedy else torch.zeros(batch, 0, self.vocab_size, device=self.device)
+        # every position from its own head's q, drawn and tested as it is: no position reads another
+        tokens, q = draft_token(self.logits(min(gamma, self.heads.num_heads)), params, generator)
+        stateless = torch.tensor([not s for s in self.has_state], device=self.device)
+        tokens = tokens.masked_fill(stateless[:, None], NOT_DRAFTED)
+        return tokens, None if q is None else q.masked_fill(stateless[:, None, None], 0.0)
+
+    def commit(self, draft_ids: Rows, num_accepted: list[int], next_tokens: list[int], target_states: States) -> None:
+        # the state at the last accepted input: the target drew next_token there
+        accepted = torch.tensor(num_accepted, device=self.device)
+        self.states = target_states[torch.arange(len(num_accepted), device=self.device), accepted]
+        self.has_state = [True] * len(num_accepted)
+
+    def follow(self, tokens: list[list[int]], target_states: torch.Tensor) -> None:
+        """The rows' contexts grew by `tokens` that another drafter drafted; `target_states` [B, >= len, H]
+        are the target's at the token before each of them."""
+        last = torch.tensor([len(new) - 1 for new in tokens], device=self.device)
+        self.states = target_states[torch.arange(len(tokens), device=self.device), last]
+        self.has_state = [True] * len(tokens)
+
+    def keep(self, rows: list[int]) -> None:
+        self.states = self.states[torch.tensor(rows, device=self.device)]
+        self.has_state = [self.has_state[r] for r in rows]

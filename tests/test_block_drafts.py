@@ -1,0 +1,415 @@
+"""Drafts that propose a whole block from one forward: Medusa heads (FasterDecoding's pickle and
+vLLM's safetensors layout) and DFlash (z-lab's layout), as tiny random checkpoints for the tiny
+target, loaded through a YAML config. They decode exactly (greedy output is the target's, sampled
+output is distributed as the target's), their logits are the format's forward written out here with
+plain torch ops, handing the acceptance test another position's q is caught, and checkpoints that do
+not fit the target exit 2 with one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from specdec_cli import verify
+from specdec_cli.cli import app
+from specdec_cli.config import load_config
+from specdec_cli.decoding.params import SamplingParams
+from specdec_cli.drafters.block import BlockDrafter
+from specdec_cli.drafters.medusa import MedusaDrafter
+from specdec_cli.errors import EXIT_BAD_INPUT
+from specdec_cli.models.pair import load_pair
+
+runner = CliRunner()
+TARGET = {"tiny": {"seed": 0, "num_layers": 2}}
+HEADS, BLOCK_SIZE, MASK = 3, 4, 256  # 3 Medusa heads; DFlash blocks of 4 (3 drafts), MASK = <s>
+SAMPLED = SamplingParams(temperature=1.0)
+# the std of Medusa's heads and the scale of DFlash's final norm: logits of std about 1.2, so drafts
+# are accepted now and then (7% at T=1) and each position's q is its own (the broken variant fails)
+HEAD_STD, NORM = 0.15, 0.8
+PROMPTS = ["Hello there, how are you?", "H", "abc abc abc abc", "Once upon a time, in a land far away"]
+
+
+def randn(gen: torch.Generator, *shape: int, std: float) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen) * std
+
+
+# ---------------------------------------------------------------- tiny checkpoints
+
+
+def medusa_weights(vocab: int, width: int, layers: int, seed: int = 1):
+    """Per head: residual layers [(W, b)] and a head [V, H]. Heads of std HEAD_STD give logits of
+    std about 1.2: peaked enough that each head drafts its own tokens, flat enough to be accepted."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = [
+        [(randn(gen, width, width, std=width**-0.5), randn(gen, width, std=0.1)) for _ in range(layers)]
+        for _ in range(HEADS)
+    ]
+    heads = [randn(gen, vocab, width, std=HEAD_STD) for _ in range(HEADS)]
+    return blocks, heads
+
+
+def write_medusa_pt(folder, vocab=258, width=64, layers=1):
+    """FasterDecoding's layout: medusa_lm_head.pt, {i}.{j}.linear.{weight,bias} and {i}.{layers}.weight."""
+    folder.mkdir()
+    blocks, heads = medusa_weights(vocab, width, layers)
+    state = {}
+    for i, (block, head) in enumerate(zip(blocks, heads)):
+        for j, (weight, bias) in enumerate(block):
+            state[f"{i}.{j}.linear.weight"], state[f"{i}.{j}.linear.bias"] = weight, bias
+        state[f"{i}.{layers}.weight"] = head
+    torch.save(state, folder / "medusa_lm_head.pt")
+    # published configs under-count the heads (the original loader forces 5): the tensors decide
+    config = {"medusa_num_heads": 2, "medusa_num_layers": layers, "base_model_name_or_path": "tiny"}
+    (folder / "config.json").write_text(json.dumps(config))
+    return blocks, heads, None
+
+
+def write_medusa_vllm(folder, vocab=258, width=64, layers=2, token_map: torch.Tensor | None = None):
+    """vLLM's layout: blocks.{i}.layers.{j}.{weight,bias}, lm_heads.{i}.weight, optional token_map."""
+    folder.mkdir()
+    blocks, heads = medusa_weights(vocab, width, layers)
+    state = {f"lm_heads.{i}.weight": head for i, head in enumerate(heads)}
+    for i, block in enumerate(blocks):
+        for j, (weight, bias) in enumerate(block):
+            state[f"blocks.{i}.layers.{j}.weight"], state[f"blocks.{i}.layers.{j}.bias"] = weight, bias
+    config = {
+        "architectures": ["MedusaModel"],
+        "model_type": "medusa",
+        "hidden_size": width,
+        "vocab_size": vocab,
+        "num_heads": HEADS,
+        "num_hidden_layers": layers,
+        "medusa_fc_bias": True,
+    }
+    if token_map is not None:  # full-vocabulary heads, of which the mapped rows are kept
+        state["token_map"] = token_map
+        config["truncated_vocab_size"] = len(token_map)
+    save_file(state, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(config))
+    return blocks, heads, token_map
+
+
+def write_dflash(folder, layers=1, qk_norm=False, head_dim=16, seed=2, **config_changes):
+    """z-lab's layout with the tiny target's (Llama) layers, or Qwen3's with q_norm / k_norm. Large
+    q/k weights make attention sharp, so the block's positions draft different tokens."""
+    folder.mkdir()
+    gen = torch.Generator().manual_seed(seed)
+    width, heads, kv_heads, inner = 64, 4, 2, 128
+    tensors = {
+        "fc.weight": randn(gen, width, 2 * width, std=(2 * width) ** -0.5),
+        "hidden_norm.weight": 1 + randn(gen, width, std=0.1),
+        "norm.weight": NORM * (1 + randn(gen, width, std=0.1)),
+    }
+    shapes = {
+        "self_attn.q_proj": ((heads * head_dim, width), 5),
+        "self_attn.k_proj": ((kv_heads * head_dim, width), 5),
+        "self_attn.v_proj": ((kv_heads * head_dim, width), 2),
+        "self_attn.o_proj": ((width, heads * head_dim), 2),
+        "mlp.gate_proj": ((inner, width), 2),
+        "mlp.up_proj": ((inner, width), 2),
+        "mlp.down_proj": ((width, inner), 2),
+    }
+    for i in range(layers):
+        for name, (shape, gain) in shapes.items():
+            tensors[f"layers.{i}.{name}.weight"] = randn(gen, *shape, std=gain / shape[1] ** 0.5)
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"layers.{i}.{name}.weight"] = 1 + randn(gen, width, std=0.1)
+        if qk_norm:
+            for name in ("q_norm", "k_norm"):
+                tensors[f"layers.{i}.self_attn.{name}.weight"] = 1 + randn(gen, head_dim, std=0.1)
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3" if qk_norm else "llama",
+        "hidden_size": width,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": inner,
+        "num_hidden_layers": layers,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 500.0,  # not a default: the draft must read it
+        "block_size": BLOCK_SIZE,
+        "num_target_layers": 2,
+        "vocab_size": 258,
+        "dflash_config": {"target_layer_ids": [0, 1], "mask_token_id": MASK},
+        **config_changes,
+    }
+    save_file(tensors, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(config))
+    return tensors, config
+
+
+WRITERS = {"medusa-pt": write_medusa_pt, "medusa-vllm": write_medusa_vllm, "dflash": write_dflash}
+
+
+def pair_of(write_config, folder, gamma=3, lookup=False):
+    draft = {"checkpoint": str(folder), **({"lookup": {"max_n": 3, "min_n": 2}} if lookup else {})}
+    config = write_config(
+        {
+            "target": TARGET,
+            "draft": draft,
+            "speculation": {"num_draft_tokens": gamma},
+            "runtime": {"device": "cpu", "dtype": "float32", "threads": 1},
+        }
+    )
+    return load_pair(load_config(str(config)))
+
+
+# ---------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("kind", ["medusa-pt", "medusa-vllm", "dflash", "medusa-vllm+lookup", "dflash+lookup"])
+def test_greedy_output_is_the_targets(kind, tmp_path, write_config):
+    WRITERS[kind.split("+")[0]](tmp_path / "draft")
+    # gamma 5 > 3 heads / 3 block positions: a block drafts what the draft has, no more
+    pair = pair_of(write_config, tmp_path / "draft", gamma=5, lookup="lookup" in kind)
+    drafter = pair.drafter.model if "lookup" in kind else pair.drafter
+    assert isinstance(drafter, MedusaDrafter if kind.startswith("medusa") else BlockDrafter)
+    prompts = [pair.encode(p, raw=True) for p in PROMPTS]
+    for ids in prompts:
+        assert verify.check_greedy(pair, ids, "p", 24, seed=0).passed
+    # a batch: every row decodes as its prompt alone, one row stopping early at an EOS
+    alone = pair.decoder(SamplingParams(), speculative=False)
+    alone.eos_token_ids = set()
+    expected = [alone.generate(ids, 24, 0).token_ids for ids in prompts]
+    eos = expected[2][3]
+    expected = [e[: e.index(eos) + 1] if eos in e else e for e in expected]
+    decoder = pair.decoder(SamplingParams())
+    decoder.eos_token_ids = {eos}
+    rows = decoder.generate_batch(prompts, 24, 0)
+    assert [r.token_ids for r in rows] == expected
+    assert len(rows[2].token_ids) <= 4
+    model_blocks = [s.drafted for r in rows for s in r.steps if s.drafted <= 3]  # lookup may draft 5
+    assert max(model_blocks) == 3
+
+
+@pytest.mark.parametrize("kind", ["medusa-pt", "medusa-vllm", "dflash"])
+def test_sampled_output_is_the_targets(kind, tmp_path, write_config):
+    WRITERS[kind](tmp_path / "draft")
+    pair = pair_of(write_config, tmp_path / "draft")
+    for prompt, batch_size in ((PROMPTS[0], 4), ("H", 1)):  # a one-token prompt: Medusa has no state yet
+        ids = pair.encode(prompt, raw=True)
+        result = verify.check_model(pair, ids, "p", SAMPLED, 200, 0, 0.01, batch_size=batch_size)
+        verify.holm(result, 0.01)
+        assert [r.what for r in result if r.status == verify.FAIL] == [], [(r.check, r.p_value) for r in result]
+        accepted, drafted = map(int, result[0].note.split(" draft")[0].split("/"))
+        assert 0.03 * drafted < accepted < 0.5 * drafted  # drafts are neither all rejected nor the target's
+
+
+def hand_over_another_positions_q(drafter, monkeypatch):
+    """The bug: tokens drawn from each position's own q, but the acceptance test handed the previous
+    position's (the first position gets the last one's)."""
+    propose = drafter.propose
+
+    def broken(gamma, params, generator):
+        drafts, q = propose(gamma, params, generator)
+        return drafts, q.roll(1, dims=1)
+
+    monkeypatch.setattr(drafter, "propose", broken)
+
+
+@pytest.mark.parametrize("kind", ["medusa-vllm", "dflash"])
+def test_verify_catches_q_from_another_position(kind, tmp_path, write_config, monkeypatch):
+    WRITERS[kind](tmp_path / "draft")
+    pair = pair_of(write_config, tmp_path / "draft")
+    hand_over_another_positions_q(pair.drafter, monkeypatch)
+    result = verify.check_model(pair, pair.encode(PROMPTS[0], raw=True), "p", SAMPLED, 200, 0, 0.01, batch_size=4)
+    verify.holm(result, 0.01)
+    assert [r.check for r in result if r.status == verify.FAIL]
+
+
+# ---------------------------------------------------------------- the formats' forward, written out
+
+
+def target_states(model, ids: list[int], layers) -> torch.Tensor:
+    """[len(ids), taps * H]: transformers' hidden_states[i] for i in layers at every token."""
+    with torch.no_grad():
+        hidden = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    return torch.cat([hidden[i][0] for i in layers], dim=-1)
+
+
+def padded(rows: list[torch.Tensor]) -> torch.Tensor:
+    out = torch.zeros(len(rows), max(len(r) for r in rows), rows[0].shape[-1])
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return out
+
+
+def medusa_reference(blocks, heads, token_map, state: torch.Tensor) -> torch.Tensor:
+    """Head i: x + SiLU(W x + b) per layer, then its linear map; a token map scores only its ids."""
+    logits = []
+    for block, head in zip(blocks, heads):
+        x = state
+        for weight, bias in block:
+            x = x + torch.nn.functional.silu(x @ weight.T + bias)
+        if token_map is None:
+            logits.append(x @ head.T)
+        else:
+            full = torch.full((head.shape[0],), float("-inf"))
+            full[token_map] = x @ head[token_map].T
+            logits.append(full)
+    return torch.stack(logits)
+
+
+@pytest.mark.parametrize("layout", ["pt", "vllm", "vllm-token-map"])
+def test_medusa_logits_are_the_heads_on_the_last_verified_state(layout, tmp_path, write_config):
+    if layout == "pt":
+        blocks, heads, token_map = write_medusa_pt(tmp_path / "draft")
+    else:
+        token_map = torch.randperm(258, generator=torch.Generator().manual_seed(3))[:100] if "map" in layout else None
+        blocks, heads, token_map = write_medusa_vllm(tmp_path / "draft", token_map=token_map)
+    pair = pair_of(write_config, tmp_path / "draft")
+    drafter, target = pair.drafter, pair.target.model
+    prompts = [pair.encode(p, raw=True) for p in (PROMPTS[0], PROMPTS[3], "Hi")]
+    states = [target_states(target, p, (-1,)) for p in prompts]
+    drafter.start(prompts, 64, padded([s[:-1] for s in states]))
+    with torch.no_grad():
+        got = drafter.logits(HEADS)
+        # the state at the prompt's next-to-last token: its last token is the target's, then head 0's
+        for row, s in enumerate(states):
+            torch.testing.assert_close(got[row], medusa_reference(blocks, heads, token_map, s[-2]))
+        # after a block: the state at the last accepted input (the target drew its next token there)
+        drafts, accepted, next_tokens = [[70, 71, 72]] * 3, [2, 0, 3], [80, 81, 82]
+        grown = [p + d for p, d in zip(prompts, drafts)]
+        block_states = padded([target_states(target, g, (-1,))[len(p) - 1 :] for p, g in zip(prompts, grown)])
+        drafter.commit(drafts, accepted, next_tokens, block_states)
+        got = drafter.logits(2)
+        for row, (p, a) in enumerate(zip(prompts, accepted)):
+            state = target_states(target, grown[row], (-1,))[len(p) - 1 + a]
+            torch.testing.assert_close(got[row], medusa_reference(blocks, heads, token_map, state)[:2])
+    if token_map is not None:
+        assert torch.isinf(got[:, :, [i for i in range(258) if i not in set(token_map.tolist())]]).all()
+
+
+def dflash_reference(tensors: dict, config: dict, target, ids: list[int]) -> torch.Tensor:
+    """z-lab's forward for one row: context = all of `ids` but the last, the block = [its last, MASK...]."""
+    n, size, eps = len(ids) - 1, config["block_size"], config["rms_norm_eps"]
+    heads, kv_heads, dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    layer_ids = config["dflash_config"]["target_layer_ids"]
+
+    def norm(x, weight):
+        return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    def rope(x, positions):  # x [n, heads, dim], rotate-half layout
+        angles = positions[:, None].float() / config["rope_theta"] ** (torch.arange(0, dim, 2).float() / dim)
+        cos, sin = angles.cos().repeat(1, 2)[:, None], angles.sin().repeat(1, 2)[:, None]
+        return x * cos + torch.cat([-x[..., dim // 2 :], x[..., : dim // 2]], -1) * sin
+
+    # the target's layer outputs: hidden_states[id + 1]
+    taps = target_states(target, ids, [i + 1 for i in layer_ids])[:n]
+    context = norm(taps @ tensors["fc.weight"].T, tensors["hidden_norm.weight"])
+    x = target.get_input_embeddings().weight[[ids[-1]] + [config["dflash_config"]["mask_token_id"]] * (size - 1)]
+    positions = torch.arange(n + size)
+    for i in range(config["num_hidden_layers"]):
+        w = {k.removeprefix(f"layers.{i}."): v for k, v in tensors.items() if k.startswith(f"layers.{i}.")}
+        h = norm(x, w["input_layernorm.weight"])
+        both = torch.cat([context, h])  # keys and values: the context (no input norm) and the block
+        q = (h @ w["self_attn.q_proj.weight"].T).view(size, heads, dim)
+        k = (both @ w["self_attn.k_proj.weight"].T).view(n + size, kv_heads, dim)
+        v = (both @ w["self_attn.v_proj.weight"].T).view(n + size, kv_heads, dim)
+        if "self_attn.q_norm.weight" in w:
+            q, k = norm(q, w["self_attn.q_norm.weight"]), norm(k, w["self_attn.k_norm.weight"])
+        q, k = rope(q, positions[n:]), rope(k, positions)
+        k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+        weights = (torch.einsum("qhd,khd->hqk", q, k) / dim**0.5).softmax(-1)  # no mask: not causal
+        x = x + torch.einsum("hqk,khd->qhd", weights, v).reshape(size, heads * dim) @ w["self_attn.o_proj.weight"].T
+        h = norm(x, w["post_attention_layernorm.weight"])
+        x = (
+            x
+            + (torch.nn.functional.silu(h @ w["mlp.gate_proj.weight"].T) * (h @ w["mlp.up_proj.weight"].T))
+            @ w["mlp.down_proj.weight"].T
+        )
+    return norm(x, tensors["norm.weight"])[1:] @ target.get_output_embeddings().weight.T
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen3"])
+def test_dflash_logits_are_the_blocks_forward(variant, tmp_path, write_config):
+    qwen3 = variant == "qwen3"
+    tensors, config = write_dflash(tmp_path / "draft", layers=2, qk_norm=qwen3, head_dim=32 if qwen3 else 16)
+    pair = pair_of(write_config, tmp_path / "draft")
+    drafter, target = pair.drafter, pair.target.model
+    assert pair.target.state_layers == (1, 2)  # outputs of layers 0 and 1
+    prompts = [pair.encode(p, raw=True) for p in (PROMPTS[0], PROMPTS[3], "H")]
+    drafter.start(prompts, 64, padded([target_states(target, p, (1, 2))[:-1] for p in prompts]))
+    got = drafter.logits()
+    with torch.no_grad():
+        for row, p in enumerate(prompts):
+            expected = dflash_reference(tensors, config, target, p)
+            torch.testing.assert_close(got[row], expected, atol=1e-4, rtol=1e-4)
+        # after a block: the context grew by the block's first token and the accepted drafts (their K/V
+        # come from the store, computed once), the next block starts with the target's token
+        drafts, accepted, next_tokens = [[70, 71, 72]] * 3, [2, 0, 3], [80, 81, 82]
+        grown = [p + d for p, d in zip(prompts, drafts)]
+        block_states = padded([target_states(target, g, (1, 2))[len(p) - 1 :] for p, g in zip(prompts, grown)])
+        drafter.commit(drafts, accepted, next_tokens, block_states)
+        got = drafter.logits()
+        for row, (p, a, t) in enumerate(zip(prompts, accepted, next_tokens)):
+            context = p + drafts[row][:a] + [t]
+            expected = dflash_reference(tensors, config, target, context)
+            torch.testing.assert_close(got[row], expected, atol=1e-4, rtol=1e-4)
+    assert (got[:, 0].argmax(-1) != got[:, 1].argmax(-1)).any()  # positions draft different tokens
+
+
+# ---------------------------------------------------------------- checkpoints that do not fit
+
+
+class NotATensor:
+    pass
+
+
+def pickle_of_objects(folder):
+    """A pickle that would build an object of a class when loaded: refused unread."""
+    folder.mkdir()
+    torch.save({"0.0.linear.weight": NotATensor()}, folder / "medusa_lm_head.pt")
+    (folder / "config.json").write_text(json.dumps({"medusa_num_heads": 1}))
+
+
+def drop_tensor(folder, name):
+    tensors = load_file(folder / "model.safetensors")
+    del tensors[name]
+    save_file(tensors, folder / "model.safetensors")
+
+
+BAD = {
+    "medusa width": (lambda f: write_medusa_vllm(f, width=32), "target's hidden size is 64"),
+    "medusa vocabulary": (lambda f: write_medusa_pt(f, vocab=250), "scores 250 tokens, the target's vocabulary has"),
+    "medusa missing head": (
+        lambda f: (write_medusa_vllm(f), drop_tensor(f, "lm_heads.2.weight")),
+        "missing tensors for 3 heads of 2 layers: ['lm_heads.2.weight']",
+    ),
+    "medusa pickle of objects": (pickle_of_objects, "not a pickle of plain tensors"),
+    "dflash layer ids": (
+        lambda f: write_dflash(f, dflash_config={"target_layer_ids": [0, 2], "mask_token_id": MASK}),
+        "target_layer_ids [0, 2] out of range for a target of 2 layers",
+    ),
+    "dflash target depth": (lambda f: write_dflash(f, num_target_layers=36), "made for a target of 36 layers"),
+    "dflash width": (lambda f: write_dflash(f, hidden_size=32), "hidden size 32, the target's is 64"),
+    "dflash vocabulary": (lambda f: write_dflash(f, vocab_size=151936), "vocabulary of 151936 tokens"),
+    "dflash mask token": (
+        lambda f: write_dflash(f, dflash_config={"target_layer_ids": [0, 1]}),
+        "mask_token_id None is not a token",
+    ),
+    "dflash missing tensor": (
+        lambda f: (write_dflash(f), drop_tensor(f, "layers.0.mlp.up_proj.weight")),
+        "missing ['layers.0.mlp.up_proj.weight']",
+    ),
+    "dflash taps": (
+        lambda f: write_dflash(f, dflash_config={"target_layer_ids": [1], "mask_token_id": MASK}),  # fc reads 2
+        "fc.weight is [64, 128], but 1 target layers of width 64 need [64, 64]",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_checkpoint_that_does_not_fit_exits_2(case, tmp_path, write_config):
+    make, message = BAD[case]
+    make(tmp_path / "draft")
+    config = write_config({"target": TARGET, "draft": {"checkpoint": str(tmp_path / "draft")}})
+    run = runner.invoke(app, ["generate", "-c", str(config), "-p", "Hello"])
+    assert run.exit_code == EXIT_BAD_INPUT, run.output
+    [line] = [line for line in run.output.splitlines() if line.startswith("Error:")]
+    assert message in line, line

@@ -1,0 +1,383 @@
+"""Public draft formats (EAGLE-1/2, EAGLE-3): tiny random checkpoints written in each format's own
+layout (config.json and model.safetensors with its tensor names, no tokenizer, no embedding) load
+against a tiny target, decode exactly, and compute what the format says they compute: the test
+computes each format's forward itself with plain torch ops and compares the loaded draft's
+distributions with it, so a mix-up of taps, norms, d2t or residual fails."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from specdec_cli import verify
+from specdec_cli.cli import app
+from specdec_cli.config import TinyModel, load_config
+from specdec_cli.decoding.params import SamplingParams
+from specdec_cli.errors import EXIT_BAD_INPUT
+from specdec_cli.models.checkpoints import build_tiny
+from specdec_cli.models.formats import load_format
+from specdec_cli.models.pair import load_pair
+
+runner = CliRunner()
+
+LAYERS = 8  # enough target layers for EAGLE-3's default taps (inputs of 2, L//2, L-3) to differ
+TARGET = {"tiny": {"seed": 0, "num_layers": LAYERS}}
+H, HEADS, KV_HEADS, FFN, EPS, VOCAB = 64, 4, 2, 128, 1e-6, 258  # the tiny target's sizes
+HEAD_DIM = H // HEADS
+DRAFT_VOCAB = 96
+PROMPT = "Hello there, how are"
+
+
+@pytest.fixture(scope="module")
+def target():
+    return build_tiny(TinyModel(seed=0, num_layers=LAYERS)).eval()
+
+
+def llama_config(**extra) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": H,
+        "intermediate_size": FFN,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": EPS,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "max_position_embeddings": 2048,
+        "vocab_size": VOCAB,
+        "tie_word_embeddings": False,
+        **extra,
+    }
+
+
+def random_layer(prefix: str, attention_width: int, gen: torch.Generator, scale: float = 1) -> dict[str, torch.Tensor]:
+    """A decoder layer's tensors, as large as the tiny target's (std 0.3) times `scale`, norms near 1."""
+
+    def rand(*shape, std=0.3):
+        return torch.randn(*shape, generator=gen) * std * scale
+
+    return {
+        f"{prefix}self_attn.q_proj.weight": rand(HEADS * HEAD_DIM, attention_width),
+        f"{prefix}self_attn.k_proj.weight": rand(KV_HEADS * HEAD_DIM, attention_width),
+        f"{prefix}self_attn.v_proj.weight": rand(KV_HEADS * HEAD_DIM, attention_width),
+        f"{prefix}self_attn.o_proj.weight": rand(H, HEADS * HEAD_DIM, std=0.1),
+        f"{prefix}mlp.gate_proj.weight": rand(FFN, H),
+        f"{prefix}mlp.up_proj.weight": rand(FFN, H),
+        f"{prefix}mlp.down_proj.weight": rand(H, FFN, std=0.1),
+        f"{prefix}post_attention_layernorm.weight": 1 + rand(H, std=0.2 / scale),
+    }
+
+
+def eagle_checkpoint(seed: int = 1) -> tuple[dict, dict[str, torch.Tensor]]:
+    """EAGLE-1/2 as SafeAILab saves it: fc [H, 2H] with its bias (the default), one layer without
+    an input norm, no final norm, no head. Smaller weights than EAGLE-3's: nothing normalises its
+    output before the target's head, and the test needs distributions that are not one-hot."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = random_layer("layers.0.", H, gen, scale=0.3)
+    weights["fc.weight"] = torch.randn(H, 2 * H, generator=gen) * 0.05
+    weights["fc.bias"] = torch.randn(H, generator=gen) * 0.1
+    return llama_config(), weights
+
+
+def eagle3_checkpoint(seed: int = 2, **config) -> tuple[dict, dict[str, torch.Tensor]]:
+    """EAGLE-3 as SpecForge saves it: fc [H, 3H], a midlayer whose q/k/v read 2H, its final norm,
+    lm_head over a draft vocabulary of 96 tokens, d2t (target id = i + d2t[i]) and t2d."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = random_layer("midlayer.", 2 * H, gen)
+    weights["midlayer.input_layernorm.weight"] = 1 + torch.randn(H, generator=gen) * 0.2
+    weights["midlayer.hidden_norm.weight"] = 1 + torch.randn(H, generator=gen) * 0.2
+    weights["fc.weight"] = torch.randn(H, 3 * H, generator=gen) * 0.1
+    weights["norm.weight"] = 1 + torch.randn(H, generator=gen) * 0.2
+    weights["lm_head.weight"] = torch.randn(DRAFT_VOCAB, H, generator=gen) * 0.3
+    used = torch.randperm(VOCAB, generator=gen)[:DRAFT_VOCAB].sort().values
+    weights["d2t"] = used - torch.arange(DRAFT_VOCAB)
+    weights["t2d"] = torch.zeros(VOCAB, dtype=torch.bool).index_fill(0, used, True)
+    return llama_config(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=DRAFT_VOCAB, **config), weights
+
+
+def write_folder(folder, config: dict, weights: dict[str, torch.Tensor]):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in weights.items()}, folder / "model.safetensors")
+    return folder
+
+
+def write_pair(tmp_path, draft_folder, name: str = "pair.yaml", draft: dict | None = None):
+    path = tmp_path / name
+    data = {
+        "name": "format-pair",
+        "target": TARGET,
+        "draft": draft or {"checkpoint": str(draft_folder)},
+        "speculation": {"num_draft_tokens": 3},
+        "generation": {"max_new_tokens": 24, "ignore_eos": True},
+        "runtime": {"device": "cpu", "dtype": "float32", "threads": 1},
+    }
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+# ---------------------------------------------------------------- the formats by hand
+
+
+def rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * weight
+
+
+def rope(x: torch.Tensor) -> torch.Tensor:
+    """x [heads, n, d] at positions 0 .. n - 1, rotating half against half (Llama's layout)."""
+    d = x.shape[-1]
+    angles = torch.arange(x.shape[1]).float()[:, None] / 10000 ** (torch.arange(0, d, 2).float() / d)
+    cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
+    return x * cos + torch.cat([-x[..., d // 2 :], x[..., : d // 2]], dim=-1) * sin
+
+
+def attention(x: torch.Tensor, w: dict, prefix: str) -> torch.Tensor:
+    """Causal multi-head attention over x [n, width] with grouped key/value heads."""
+    n = x.shape[0]
+    q = (x @ w[f"{prefix}q_proj.weight"].T).view(n, HEADS, HEAD_DIM).transpose(0, 1)
+    k = (x @ w[f"{prefix}k_proj.weight"].T).view(n, KV_HEADS, HEAD_DIM).transpose(0, 1)
+    v = (x @ w[f"{prefix}v_proj.weight"].T).view(n, KV_HEADS, HEAD_DIM).transpose(0, 1)
+    q, k = rope(q), rope(k)
+    k, v = k.repeat_interleave(HEADS // KV_HEADS, 0), v.repeat_interleave(HEADS // KV_HEADS, 0)
+    scores = (q @ k.transpose(1, 2)) / HEAD_DIM**0.5
+    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(0, 1).reshape(n, H) @ w[f"{prefix}o_proj.weight"].T
+
+
+def mlp(x: torch.Tensor, w: dict, prefix: str) -> torch.Tensor:
+    return (F.silu(x @ w[f"{prefix}gate_proj.weight"].T) * (x @ w[f"{prefix}up_proj.weight"].T)) @ w[
+        f"{prefix}down_proj.weight"
+    ].T
+
+
+def eagle_forward(w: dict, target, embeds: torch.Tensor, states: torch.Tensor):
+    """EAGLE-1/2: x = fc([embedding, state]); a layer with no input norm; no final norm; the
+    target's head. Returns (the state fed back, logits) per position."""
+    x = torch.cat([embeds, states], dim=-1) @ w["fc.weight"].T + w["fc.bias"]
+    h = x + attention(x, w, "layers.0.self_attn.")
+    out = h + mlp(rms(h, w["layers.0.post_attention_layernorm.weight"]), w, "layers.0.mlp.")
+    return out, out @ target.lm_head.weight.T
+
+
+def eagle3_forward(w: dict, config: dict, embeds: torch.Tensor, states: torch.Tensor):
+    """EAGLE-3's midlayer: attention over [input_layernorm(embedding), hidden_norm(state)], the state
+    as residual (its normed form with norm_before_residual), MLP; logits = lm_head(norm(out)) put at
+    target ids i + d2t[i], -inf elsewhere. The state fed back is `out`, before `norm`."""
+    normed = rms(states, w["midlayer.hidden_norm.weight"])
+    x = torch.cat([rms(embeds, w["midlayer.input_layernorm.weight"]), normed], dim=-1)
+    residual = normed if config.get("norm_before_residual") else states
+    h = residual + attention(x, w, "midlayer.self_attn.")
+    out = h + mlp(rms(h, w["midlayer.post_attention_layernorm.weight"]), w, "midlayer.mlp.")
+    scores = rms(out, w["norm.weight"]) @ w["lm_head.weight"].T
+    logits = torch.full((len(out), VOCAB), float("-inf"))
+    logits[:, torch.arange(DRAFT_VOCAB) + w["d2t"]] = scores
+    return out, logits
+
+
+def captured(target, ids: list[int], layers: list[int], where: str) -> torch.Tensor:
+    """The target's residual stream at the inputs or outputs of `layers` (hooks, not its
+    hidden_states indices), side by side [n, len(layers) * H]; `where="norm"`: after its final norm."""
+    seen, hooks = {}, []
+    for i in layers:
+        module = target.model.norm if where == "norm" else target.model.layers[i]
+        if where == "input":
+            hooks.append(module.register_forward_pre_hook(lambda m, args, i=i: seen.__setitem__(i, args[0])))
+        else:
+            hooks.append(module.register_forward_hook(lambda m, args, out, i=i: seen.__setitem__(i, out)))
+    with torch.no_grad():
+        target(torch.tensor([ids]))
+    for hook in hooks:
+        hook.remove()
+    return torch.cat([seen[i][0] for i in layers], dim=-1)
+
+
+TAP_CONVENTIONS = {
+    # SpecForge/SGLang: eagle_config ids are layer outputs
+    "eagle_config": ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [5, 1, 3]}}, [1, 3, 5], "output"),
+    # vLLM / speculators: top-level ids are layer inputs
+    "vllm": ({"eagle_aux_hidden_state_layer_ids": [1, 3, 5], "norm_before_residual": True}, [1, 3, 5], "input"),
+    # none named: the inputs of layers 2, L//2, L-3
+    "default": ({}, [2, LAYERS // 2, LAYERS - 3], "input"),
+}
+
+
+def draft_two_steps(pair, prompt_ids: list[int]):
+    """Drive the pair's FeatureDrafter as the engine does at T = 1: two draft tokens and their q."""
+    pair.target.reset(len(prompt_ids) + 8)
+    states = pair.target.forward(torch.tensor([prompt_ids]), hidden=True).hidden
+    pair.drafter.start([prompt_ids], len(prompt_ids) + 8, states)
+    drafts, q = pair.drafter.propose(2, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
+    return drafts[0].tolist(), q[0]
+
+
+def assert_same_distribution(q: torch.Tensor, logits: torch.Tensor) -> None:
+    expected = logits.softmax(-1)
+    assert torch.equal(q == 0, expected == 0)  # the same support (EAGLE-3: the d2t ids only)
+    torch.testing.assert_close(q, expected, atol=2e-5, rtol=1e-4)
+    assert q.max() < 0.95  # a distribution the computation decides, not one token regardless
+
+
+@pytest.mark.parametrize("convention", TAP_CONVENTIONS)
+def test_eagle3_draft_computes_the_formats_forward(tmp_path, target, convention, capsys):
+    extra, layers, where = TAP_CONVENTIONS[convention]
+    config, w = eagle3_checkpoint(**extra)
+    pair = load_pair(load_config(str(write_pair(tmp_path, write_folder(tmp_path / "eagle3", config, w)))))
+    assert "eagle3 draft reads target hidden states" in capsys.readouterr().err  # the taps, said aloud
+    ids = pair.encode(PROMPT, raw=True)
+    (first, second), q = draft_two_steps(pair, ids)
+
+    embed = target.model.embed_tokens.weight
+    taps = captured(target, ids, layers, where)[:-1]  # the state at token j sits beside token j + 1
+    states = taps @ w["fc.weight"].T
+    out, logits = eagle3_forward(w, config, embed[ids[1:]], states)
+    assert_same_distribution(q[0], logits[-1])
+    # step 2 reads the draft's own state (before `norm`) beside the token it drafted
+    _, logits = eagle3_forward(w, config, embed[ids[1:] + [first]], torch.cat([states, out[-1:]]))
+    assert_same_distribution(q[1], logits[-1])
+
+
+def test_eagle_draft_computes_the_formats_forward(tmp_path, target):
+    config, w = eagle_checkpoint()
+    pair = load_pair(load_config(str(write_pair(tmp_path, write_folder(tmp_path / "eagle", config, w)))))
+    ids = pair.encode(PROMPT, raw=True)
+    (first, _), q = draft_two_steps(pair, ids)
+
+    embed = target.model.embed_tokens.weight
+    states = captured(target, ids, [0], "norm")[:-1]  # the target's last state, after its final norm
+    out, logits = eagle_forward(w, target, embed[ids[1:]], states)
+    assert_same_distribution(q[0], logits[-1])
+    _, logits = eagle_forward(w, target, embed[ids[1:] + [first]], torch.cat([states, out[-1:]]))
+    assert_same_distribution(q[1], logits[-1])
+
+
+# ---------------------------------------------------------------- exact decoding
+
+
+@pytest.fixture(scope="module", params=["eagle", "eagle3"])
+def pair_config(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(request.param)
+    config, weights = eagle_checkpoint() if request.param == "eagle" else eagle3_checkpoint()
+    return request.param, write_pair(tmp, write_folder(tmp / request.param, config, weights))
+
+
+def generate_json(config, *args: str):
+    run = runner.invoke(app, ["generate", "-c", str(config), "-p", PROMPT, "--raw", "--json", *args])
+    assert run.exit_code == 0, run.output
+    return json.loads(run.stdout), run.stderr
+
+
+def test_greedy_output_is_the_targets(pair_config, tmp_path):
+    kind, config = pair_config
+    alone = write_pair(tmp_path, None, "alone.yaml", draft={"ngram": {}})
+    expected, _ = generate_json(alone)
+    for gamma in ("1", "3"):
+        record, stderr = generate_json(config, "--gamma", gamma)
+        assert record["token_ids"] == expected["token_ids"]
+        layers = "last hidden state" if kind == "eagle" else "hidden states [2, 4, 5]"
+        assert record["draft"] == f"{kind} draft, reads the target's {layers}"
+        assert f"Draft: {record['draft']}" in stderr
+
+
+def test_sampled_output_is_the_targets(pair_config):
+    _, config = pair_config
+    pair = load_pair(load_config(str(config)))
+    prompt_ids = pair.encode(PROMPT, raw=True)
+    rows = verify.check_model(pair, prompt_ids, "p", SamplingParams(temperature=1.0), 200, seed=0, significance=0.01)
+    verify.holm(rows, 0.01)
+    assert [r.what for r in rows if r.status == verify.FAIL] == []
+    assert verify.check_greedy(pair, prompt_ids, "p", 24, seed=0).passed
+
+
+# ---------------------------------------------------------------- bad checkpoints
+
+
+def drop(name):
+    return lambda config, weights: weights.pop(name)
+
+
+def set_config(**changes):
+    return lambda config, weights: config.update(changes)
+
+
+def set_tensor(name, value):
+    return lambda config, weights: weights.__setitem__(name, value)
+
+
+BROKEN = {
+    "hidden size": ("eagle", set_config(hidden_size=32), "hidden size mismatch"),
+    "target hidden size": ("eagle3", set_config(target_hidden_size=96), "hidden size mismatch"),
+    "vocabulary": ("eagle3", set_config(vocab_size=300), "vocabulary mismatch"),
+    "d2t": ("eagle3", set_tensor("d2t", torch.full((DRAFT_VOCAB,), 200)), "vocabulary mismatch"),
+    "layer ids": (
+        "eagle3",
+        set_config(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, LAYERS - 1]}),
+        "layer ids out of range",
+    ),
+    "missing tensor": ("eagle3", drop("midlayer.hidden_norm.weight"), "missing tensors midlayer.hidden_norm.weight"),
+    "missing head": ("eagle3", drop("lm_head.weight"), "missing tensors lm_head.weight"),
+    "tensor shape": ("eagle3", set_tensor("fc.weight", torch.zeros(H, 2 * H)), "fc.weight [64, 128]"),
+    "unexpected tensor": ("eagle", set_tensor("norm.weight", torch.ones(H)), "do not fit, norm.weight"),
+    "bias": ("eagle", set_config(bias=False), "config says bias False"),
+    "architecture": ("eagle", set_config(architectures=["MysteryDraftForCausalLM"]), "unknown architecture"),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN)
+def test_a_bad_checkpoint_is_one_error_line(tmp_path, case):
+    kind, breaking, message = BROKEN[case]
+    config, weights = eagle_checkpoint() if kind == "eagle" else eagle3_checkpoint()
+    breaking(config, weights)
+    if case == "architecture":  # weights that no format recognises
+        weights = {"w": torch.zeros(2)}
+    pair = write_pair(tmp_path, write_folder(tmp_path / "draft", config, weights))
+    run = runner.invoke(app, ["generate", "-c", str(pair), "-p", "Hi"])
+    assert run.exit_code == EXIT_BAD_INPUT, run.output
+    errors = [line for line in run.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and message in errors[0], run.stderr
+    assert "Traceback" not in run.output
+
+
+def test_pickles_load_only_as_plain_tensors(tmp_path, target):
+    config, weights = eagle_checkpoint()
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps(config))
+    torch.save(weights, plain / "pytorch_model.bin")  # as SafeAILab publishes EAGLE-1 drafts
+    from_pickle = load_format(plain, target, torch.float32)
+    from_safetensors = load_format(write_folder(tmp_path / "st", config, weights), target, torch.float32)
+    for (name, a), (_, b) in zip(from_pickle.named_parameters(), from_safetensors.named_parameters()):
+        assert torch.equal(a, b), name
+
+    (plain / "pytorch_model.bin").unlink()
+    torch.save({**weights, "extra": argparse.Namespace(x=1)}, plain / "pytorch_model.bin")  # builds an object
+    run = runner.invoke(app, ["generate", "-c", str(write_pair(tmp_path, plain)), "-p", "Hi"])
+    assert run.exit_code == EXIT_BAD_INPUT
+    [error] = [line for line in run.stderr.splitlines() if line.startswith("Error:")]
+    assert "weights_only=True" in error
+
+
+def test_an_eagle_draft_is_not_a_target(tmp_path):
+    folder = write_folder(tmp_path / "eagle3", *eagle3_checkpoint())
+    config = tmp_path / "target.yaml"
+    config.write_text(yaml.safe_dump({"name": "x", "target": {"checkpoint": str(folder)}, "draft": {"ngram": {}}}))
+    run = runner.invoke(app, ["generate", "-c", str(config), "-p", "Hi"])
+    assert run.exit_code == EXIT_BAD_INPUT and "only be loaded as the draft of a target" in run.stderr
+
+
+def test_a_truncated_weights_file_is_one_error_line(tmp_path):
+    folder = write_folder(tmp_path / "eagle3", *eagle3_checkpoint())
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+    run = runner.invoke(app, ["generate", "-c", str(write_pair(tmp_path, folder)), "-p", "Hi"])
+    assert run.exit_code == EXIT_BAD_INPUT
+    [error] = [line for line in run.stderr.splitlines() if line.startswith("Error:")]
+    assert "not a readable safetensors file" in error
