@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -56,6 +57,11 @@ def root(
     ] = False,
 ) -> None:
     """Run and measure exact speculative decoding."""
+
+
+class DraftFormat(str, Enum):
+    specdec = "specdec"
+    eagle3 = "eagle3"
 
 
 @app.command(
@@ -276,7 +282,8 @@ def verify_distribution(
 @app.command(
     epilog="""Examples:\n
   specdec distill --out drafts/my-draft\n
-  specdec distill -c configs/my-target.yaml --out drafts/x --prompts prompts.txt --steps 500 --layers 2"""
+  specdec distill -c configs/my-target.yaml --out drafts/x --prompts prompts.txt --steps 500 --layers 2\n
+  specdec distill --out drafts/eagle3 --format eagle3"""
 )
 @reports_errors
 def distill(
@@ -287,6 +294,15 @@ def distill(
         typer.Option(help="Training prompts (text, JSONL or Spec-Bench JSONL) (default: the built-in training set)."),
     ] = None,
     layers: Annotated[int, typer.Option(min=1, help="Decoder layers of the draft.")] = 1,
+    draft_format: Annotated[
+        DraftFormat,
+        typer.Option(
+            "--format",
+            help="specdec: specdec's own draft (normalised tap fusion, the target's head rows). eagle3: "
+            "EAGLE-3's architecture, saved in the layout SpecForge, SGLang and vLLM load (one layer, "
+            "3 target layers, its own head rows).",
+        ),
+    ] = DraftFormat.specdec,
     target_layers: Annotated[
         Optional[str],
         typer.Option(
@@ -379,6 +395,7 @@ def distill(
         learning_rate=learning_rate,
         eval_every=eval_every,
         seed=cfg.sampling.seed,
+        format=draft_format.value,
     )
     distillation.distill(cfg, texts, settings, out, keep_work)
 

@@ -9,7 +9,9 @@
    one more pass keeps its last hidden states, so training never runs the target again.
 2. Draft (see distilled.py): a feature draft of a few decoder layers initialised from evenly spaced
    target layers, reading the target's hidden states; the target's embedding, and the target's head
-   restricted to the tokens that carry most of the target's probability mass in the corpus.
+   restricted to the tokens that carry most of the target's probability mass in the corpus. With
+   `format="eagle3"` it is EAGLE-3's architecture instead (one layer reading 3 target layers, its own
+   head rows over that vocabulary), saved in the layout serving engines load (models/eagle3_draft.py).
 3. Training: cross-entropy of the draft against the target's top-k distribution (KL up to a
    constant) at every answer position, as the 1st draft token (reading the target's states) and as
    the 2nd, 3rd ... (reading its own for the tokens before it in the draft: `draft_log_probs`
@@ -33,6 +35,8 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from specdec_cli import display, records
 from specdec_cli.config import Config
+from specdec_cli.errors import SpecdecError
+from specdec_cli.models import eagle3_draft
 from specdec_cli.models.checkpoints import load_model
 from specdec_cli.models.feature_draft import (
     check_target_layers,
@@ -48,10 +52,11 @@ from specdec_cli.models.pair import resolve_device, resolve_dtype
 from specdec_cli.models.tokens import encode_prompt, eos_token_ids, padding_id
 
 WORK = "distill-work"  # subfolder of the output: corpus and training state until training ends
-STATE = "train-state.pt"
+STATE = "train-state.pt"  # (train-state-eagle3.pt for an EAGLE-3 draft)
 FEATURES = "target-features-{}.pt"
 GENERATION_BATCH = 32  # sampling many answers at once is far faster than one by one
 PROMPT_TOKENS = 64  # most tokens of a prompt the target writes
+FORMATS = ("specdec", "eagle3")  # the draft specdec trains, or EAGLE-3's (models/eagle3_draft.py)
 
 
 @dataclass
@@ -75,6 +80,7 @@ class DistillSettings:
     eval_every: int = 250
     heldout_prompts: float = 0.1  # of the given prompts: their answers are never trained on
     seed: int = 0
+    format: str = "specdec"  # or "eagle3": EAGLE-3's architecture, saved in its layout
 
 
 @dataclass
@@ -406,7 +412,10 @@ def train(
     token_ids = choose_vocabulary(training, vocab_size, settings.draft_vocab, eos_token_ids(target, tokenizer))
     to_subset = torch.full((vocab_size,), -1, dtype=torch.long)
     to_subset[token_ids] = torch.arange(len(token_ids))
-    draft = init_draft(target, settings.num_layers, token_ids, taps, settings.init_layers, settings.zero_features)
+    if settings.format == "eagle3":
+        draft = eagle3_draft.init_eagle3(target, token_ids, taps, settings.init_layers, settings.zero_features)
+    else:
+        draft = init_draft(target, settings.num_layers, token_ids, taps, settings.init_layers, settings.zero_features)
     autocast = target.dtype if target.dtype != torch.float32 else None
     trainable = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=settings.learning_rate, weight_decay=0.0)
@@ -417,7 +426,7 @@ def train(
     )
     log: list[dict] = []
     step = 0
-    state_path = work / STATE
+    state_path = work / (STATE if settings.format == "specdec" else f"train-state-{settings.format}.pt")
     if state_path.is_file():
         state = torch.load(state_path, weights_only=False)
         draft.load_state_dict(state["draft"], strict=False)
@@ -500,22 +509,23 @@ def save(
     log: list[dict],
     settings: DistillSettings,
 ) -> None:
-    save_draft(
-        draft,
-        tokenizer,
-        out,
-        {
-            "target": target_name,
-            "borrowed_from_target": ["input embedding", "LM head rows of its vocabulary"],
-            "initialised_from_target_layers": starting_layers(
-                target.config, draft.config.num_hidden_layers, settings.init_layers
-            ),
-            "reads_target_layers": list(target_layers(draft)),
-            "vocabulary_size": len(draft.lm_head.token_ids),
-            "settings": vars(settings),
-            "log": log,
-        },
-    )
+    eagle3 = settings.format == "eagle3"
+    info = {
+        "target": target_name,
+        "format": settings.format,
+        "borrowed_from_target": ["input embedding"] + ([] if eagle3 else ["LM head rows of its vocabulary"]),
+        "initialised_from_target_layers": starting_layers(
+            target.config, draft.config.num_hidden_layers, settings.init_layers
+        ),
+        "reads_target_layers": list(target_layers(draft)),
+        "vocabulary_size": len(draft.lm_head.token_ids),
+        "settings": vars(settings),
+        "log": log,
+    }
+    if eagle3:
+        eagle3_draft.save_eagle3(draft, target, out, info)
+    else:
+        save_draft(draft, tokenizer, out, info)
 
 
 def distill(cfg: Config, prompts: list[str], settings: DistillSettings, out: Path, keep_work: bool) -> None:
@@ -529,6 +539,10 @@ def distill(cfg: Config, prompts: list[str], settings: DistillSettings, out: Pat
     with display.stderr.status(f"Loading {cfg.target.describe()}..."):
         target, tokenizer = load_model(cfg.target, device, dtype)
     check_target_layers(read_layers(settings, target), target.config)  # before an hour of corpus
+    if settings.format not in FORMATS:
+        raise SpecdecError(f"unknown draft format {settings.format!r} (specdec distills {', '.join(FORMATS)})")
+    if settings.format == "eagle3":
+        eagle3_draft.check_taps(read_layers(settings, target), target.config.num_hidden_layers, settings.num_layers)
     starting_layers(target.config, settings.num_layers, settings.init_layers)
     work = out / WORK  # corpus and training state: what a resumed run continues from
     work.mkdir(parents=True, exist_ok=True)

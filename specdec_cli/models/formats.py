@@ -16,6 +16,8 @@ entry that recognises a folder loads it. The EAGLE formats load as feature draft
   state (its normed form with `norm_before_residual`); then `norm` and `lm_head` over a draft
   vocabulary mapped into the target's by `d2t` (target id = i + d2t[i]). Its later steps read its
   own output before `norm`, so `norm` moves into the head and the model's final norm is Identity.
+  `specdec distill --format eagle3` trains this architecture and saves it in this layout
+  (models/eagle3_draft.py).
 
 The draft usually ships no embedding (it uses the target's) and no tokenizer (the target's). Weights
 load from safetensors; a pickle (.bin, .pt) only with `torch.load(weights_only=True)`.
@@ -295,6 +297,43 @@ class Eagle3Layer(LlamaDecoderLayer):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+class Eagle3Fc(torch.nn.Linear):
+    """EAGLE-3's `fc` over the raw target states side by side, read in its own dtype (a draft that
+    `specdec distill` trains in float32 reads a bfloat16 target's states)."""
+
+    def forward(self, states: torch.Tensor) -> torch.Tensor:
+        return super().forward(states.to(self.weight.dtype))
+
+
+class Eagle3Head(torch.nn.Module):
+    """EAGLE-3's head: `norm` (Identity with `norm_output: false`), then `lm_head`'s rows over the
+    draft vocabulary put at their target ids (`subset`); `scores` gives the draft vocabulary's alone."""
+
+    def __init__(self, norm: torch.nn.Module, subset: SubsetHead):
+        super().__init__()
+        self.norm, self.subset = norm, subset
+
+    @property
+    def token_ids(self) -> torch.Tensor:
+        return self.subset.token_ids
+
+    def scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.subset.scores(self.norm(hidden))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.subset(self.norm(hidden))
+
+
+def make_eagle3(model: LlamaForCausalLM, num_taps: int, state_width: int, norm_before_residual: bool) -> None:
+    """Turn a one-layer Llama model into EAGLE-3's draft (on the device or meta context it is built
+    in): the midlayer, `fc` as the tap fusion, no feature projection (the layer itself splits
+    [embedding, state]). Its `norm` and head are the caller's: they form the `Eagle3Head`."""
+    config = model.config
+    model.model.layers[0] = Eagle3Layer(config, norm_before_residual)
+    setattr(model, TAPS, Eagle3Fc(num_taps * state_width, config.hidden_size, bias=False))
+    setattr(model, FEATURES, torch.nn.Identity())
+
+
 def eagle3_taps(folder: DraftFolder, num_layers: int) -> tuple[list[int], str]:
     """The target `hidden_states` indices the draft reads (hs[i] is the input of layer i), and why."""
     config = folder.config
@@ -346,9 +385,7 @@ def load_eagle3(folder: DraftFolder, target: PreTrainedModel, dtype: torch.dtype
     setattr(config, TARGET_LAYERS, taps)
     model = build(config)
     with torch.device("meta"):
-        model.model.layers[0] = Eagle3Layer(config, bool(raw.get("norm_before_residual", False)))
-        setattr(model, TAPS, torch.nn.Linear(len(taps) * state_width, config.hidden_size, bias=False))
-    setattr(model, FEATURES, torch.nn.Identity())  # the layer itself splits [embedding, state]
+        make_eagle3(model, len(taps), state_width, bool(raw.get("norm_before_residual", False)))
     use_target_embedding(model, target, weights)
     renames = [
         ("fc.", f"{TAPS}."),
@@ -362,7 +399,7 @@ def load_eagle3(folder: DraftFolder, target: PreTrainedModel, dtype: torch.dtype
     norm, model.model.norm = model.model.norm, torch.nn.Identity()
     if raw.get("norm_output") is False:  # SpecForge's option: logits from the un-normed output
         norm = torch.nn.Identity()
-    model.lm_head = torch.nn.Sequential(norm, SubsetHead(target.get_output_embeddings().weight, token_ids, head))
+    model.lm_head = Eagle3Head(norm, SubsetHead(target.get_output_embeddings().weight, token_ids, head))
     # said aloud: a draft reading the wrong layers runs, but drafts badly
     print(f"specdec: eagle3 draft reads target hidden states {taps} ({why})", file=sys.stderr)
     return model

@@ -1,0 +1,200 @@
+"""`specdec distill --format eagle3` on a tiny random target: the draft is EAGLE-3's architecture,
+saved in the layout serving engines load (config keys, tensor names, no embedding), recognised and
+loaded back by the EAGLE-3 loader, drafting what the trained draft drafted; and taps EAGLE-3
+cannot read are refused before any corpus is written."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+from specdec_cli import distill as distillation
+from specdec_cli.cli import app
+from specdec_cli.config import load_config
+from specdec_cli.decoding.cache import CachedModel
+from specdec_cli.decoding.params import SamplingParams
+from specdec_cli.drafters.feature import FeatureDrafter
+from specdec_cli.errors import EXIT_BAD_INPUT
+from specdec_cli.models.eagle3_draft import INFO
+from specdec_cli.models.feature_draft import DRAFT_INFO
+from specdec_cli.models.formats import FORMATS, DraftFolder
+from specdec_cli.models.pair import load_pair
+
+runner = CliRunner()
+
+LAYERS = 4  # the tiny target's: EAGLE-3 reads 3 distinct inputs among layers 1 .. 3
+TARGET = {"tiny": {"seed": 0, "num_layers": LAYERS}}
+H, VOCAB, DRAFT_VOCAB = 64, 258, 96
+PROMPTS = [
+    "Hello there",
+    "The quick brown fox",
+    "Once upon a time",
+    "Count to ten",
+    "Write a poem",
+    "A list: one, two",
+    "What is two plus two",
+    "abc abc",
+]
+OPTIONS = (
+    "--vocab 96 --steps 80 --learning-rate 3e-3 --answers-per-prompt 4 --synthetic-prompts 8 "
+    "--answer-tokens 32 --eval-every 80 --dtype float32"
+).split()
+
+
+def write_yaml(path, data: dict):
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """One tiny EAGLE-3 distillation shared by the tests below: its folder, the trained draft as it
+    was in memory when saved, and a config pairing the folder with the target."""
+    tmp = tmp_path_factory.mktemp("eagle3")
+    config = write_yaml(
+        tmp / "target.yaml",
+        {"name": "tiny", "target": TARGET, "draft": {"ngram": {}}, "runtime": {"device": "cpu", "threads": 1}},
+    )
+    (tmp / "prompts.txt").write_text("\n".join(PROMPTS))
+    out, trained = tmp / "draft", []
+    save = distillation.save
+
+    def keep_and_save(draft, *args, **kwargs):
+        trained.append(draft)
+        save(draft, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECDEC_RUNS_DIR", str(tmp / "runs"))
+        patch.setattr(distillation, "save", keep_and_save)
+        args = ["distill", "-c", str(config), "--out", str(out), "--prompts", str(tmp / "prompts.txt")]
+        result = runner.invoke(app, [*args, "--format", "eagle3", "--target-layers", "3,1,2", *OPTIONS])
+    assert result.exit_code == 0, result.output
+    pair_config = write_yaml(
+        tmp / "pair.yaml",
+        {
+            "name": "pair",
+            "target": TARGET,
+            "draft": {"checkpoint": str(out)},
+            "generation": {"max_new_tokens": 24, "ignore_eos": True},
+            "runtime": {"device": "cpu", "threads": 1},
+        },
+    )
+    return SimpleNamespace(
+        out=out,
+        draft=trained[0],
+        target_config=config,
+        pair_config=pair_config,
+        config=json.loads((out / "config.json").read_text()),
+        info=json.loads((out / INFO).read_text()),
+    )
+
+
+def test_the_folder_is_in_eagle3_layout(exported):
+    config = exported.config
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
+    assert config["num_hidden_layers"] == 1 and config["hidden_size"] == config["target_hidden_size"] == H
+    assert (config["vocab_size"], config["draft_vocab_size"]) == (VOCAB, DRAFT_VOCAB)
+    assert config["tie_word_embeddings"] is False and config["norm_before_residual"] is False
+    # the same taps in both counts: vLLM's layer inputs, SpecForge / SGLang's layer outputs
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+
+    with safe_open(exported.out / "model.safetensors", framework="pt") as f:
+        weights = {name: f.get_tensor(name) for name in f.keys()}
+    assert not [n for n in weights if "embed" in n]  # the target's embedding is not duplicated
+    assert {n.split(".")[0] for n in weights} == {"fc", "midlayer", "norm", "lm_head", "d2t", "t2d"}
+    assert weights["fc.weight"].shape == (H, 3 * H) and weights["lm_head.weight"].shape == (DRAFT_VOCAB, H)
+    assert weights["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * H
+    assert "midlayer.hidden_norm.weight" in weights and "midlayer.input_layernorm.weight" in weights
+    d2t, t2d = weights["d2t"], weights["t2d"]
+    assert d2t.dtype == torch.int64 and t2d.dtype == torch.bool and t2d.shape == (VOCAB,)
+    token_ids = torch.arange(DRAFT_VOCAB) + d2t
+    assert torch.equal(token_ids, exported.draft.lm_head.token_ids) and torch.equal(t2d.nonzero()[:, 0], token_ids)
+    # the trained head rows, stored in bfloat16
+    assert torch.equal(weights["lm_head.weight"], exported.draft.lm_head.subset.weight.detach().bfloat16())
+
+    # recognised as an EAGLE-3 draft, not as specdec's own: its record has another name
+    assert not (exported.out / DRAFT_INFO).exists() and exported.info["format"] == "eagle3"
+    folder = DraftFolder(exported.out, config)
+    assert next(name for name, fmt in FORMATS.items() if fmt.recognise(folder)) == "eagle3"
+
+
+def test_every_trained_position_improves(exported):
+    first, last = exported.info["log"][0], exported.info["log"][-1]
+    assert last["step"] == 80 and exported.info["reads_target_layers"] == [1, 2, 3]
+    for position in range(3):
+        assert last["expected_acceptance"][position] > first["expected_acceptance"][position] + 0.01
+
+
+def drafts(pair, prompt_ids: list[int], params: SamplingParams, gamma: int = 3):
+    """The pair's draft tokens and q for one block after the prompt, driven as the engine drives it."""
+    pair.target.reset(len(prompt_ids) + gamma + 1)
+    states = pair.target.forward(torch.tensor([prompt_ids]), hidden=True).hidden
+    pair.drafter.start([prompt_ids], len(prompt_ids) + gamma + 1, states)
+    tokens, q = pair.drafter.propose(gamma, params, torch.Generator().manual_seed(0))
+    return tokens[0].tolist(), q
+
+
+@torch.no_grad()
+def test_it_loads_back_and_drafts_what_the_trained_draft_drafted(exported, capsys):
+    pair = load_pair(load_config(str(exported.pair_config)))
+    assert "eagle3 draft reads target hidden states [1, 2, 3]" in capsys.readouterr().err
+    assert pair.draft_description == "eagle3 draft, reads the target's hidden states [1, 2, 3]"
+    # the draft as it was trained, its weights rounded as the folder stores them (bfloat16)
+    trained = copy.deepcopy(exported.draft)
+    for name, weight in trained.named_parameters():
+        if name != "model.embed_tokens.weight":
+            weight.copy_(weight.bfloat16().float())
+    in_memory = dataclasses.replace(pair, drafter=FeatureDrafter(CachedModel(trained, VOCAB)))
+    for prompt in ("Hello there", "The quick brown fox jumps"):
+        ids = pair.encode(prompt)
+        assert drafts(pair, ids, SamplingParams())[0] == drafts(in_memory, ids, SamplingParams())[0]
+        (loaded, q_loaded), (kept, q_kept) = (
+            drafts(p, ids, SamplingParams(temperature=1.0)) for p in (pair, in_memory)
+        )
+        assert loaded == kept
+        assert torch.equal(q_loaded == 0, q_kept == 0)  # the draft vocabulary only
+        torch.testing.assert_close(q_loaded, q_kept, atol=1e-5, rtol=1e-4)
+
+
+def generate_json(*args: str) -> dict:
+    run = runner.invoke(app, ["generate", "-p", "Hello there", "--json", *args])
+    assert run.exit_code == 0, run.output
+    return json.loads(run.stdout)
+
+
+def test_greedy_output_is_the_targets(exported):
+    outputs = [generate_json("-c", str(exported.pair_config), "--gamma", gamma) for gamma in ("3", "1")]
+    alone = generate_json("-c", str(exported.target_config), "--max-new-tokens", "24", "--ignore-eos")
+    assert outputs[0]["token_ids"] == outputs[1]["token_ids"] == alone["token_ids"]
+    assert outputs[0]["draft"] == "eagle3 draft, reads the target's hidden states [1, 2, 3]"
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--target-layers", "1,2"], "not [1, 2]"),
+        (["--target-layers", "0,1,2"], "not [0, 1, 2]"),  # the embedding output: no engine captures it
+        (["--target-layers", "1,2,4"], "not [1, 2, 4]"),  # after the final norm
+        ([], "not [2, 2, 1]"),  # the default, inputs of layers 2, L//2, L-3, coincide on 4 layers
+        (["--target-layers", "1,2,3", "--layers", "2"], "EAGLE-3 drafts have one layer"),
+    ],
+)
+def test_what_eagle3_cannot_read_is_refused_before_the_corpus(tmp_path, options, message):
+    config = write_yaml(tmp_path / "target.yaml", {"name": "tiny", "target": TARGET, "draft": {"ngram": {}}})
+    out = tmp_path / "draft"
+    run = runner.invoke(
+        app, ["distill", "-c", str(config), "--out", str(out), "--format", "eagle3", "--device", "cpu", *options]
+    )
+    assert run.exit_code == EXIT_BAD_INPUT, run.output
+    [error] = [line for line in run.stderr.splitlines() if line.startswith("Error:")]
+    assert message in error and "Traceback" not in run.output
+    assert not out.exists()  # no corpus, not even the work folder
