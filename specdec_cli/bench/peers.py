@@ -44,7 +44,7 @@ def hf_drafting(pair: Pair) -> tuple[str, str | None]:
             f"the draft's logits, transformers refuses)"
         )
     elif drafter.reads_target_states:
-        why = "a feature draft reads the target's hidden states"
+        why = "the draft reads the target's hidden states"  # EAGLE-style, Medusa, DFlash
     else:
         why = f"it has no counterpart of specdec's {type(drafter).__name__}"
     return HF_LOOKUP, (
