@@ -283,6 +283,7 @@ def verify_distribution(
     epilog="""Examples:\n
   specdec distill --out drafts/my-draft\n
   specdec distill -c configs/my-target.yaml --out drafts/x --prompts prompts.txt --steps 500 --layers 2\n
+  specdec distill --out drafts/y --target-layers=-1 --keep-work   # read only the target's last state\n
   specdec distill --out drafts/eagle3 --format eagle3"""
 )
 @reports_errors

@@ -6,16 +6,17 @@
    et al. 2024) and answers each once: a few hundred hand-written prompts are too few, and a draft
    trained on them alone learns their answers by heart instead of the target's habits. While it
    writes, the target's own next-token distribution at every answer position is kept (its top-k);
-   one more pass keeps its last hidden states, so training never runs the target again.
-2. Draft (see distilled.py): a feature draft of a few decoder layers initialised from evenly spaced
-   target layers, reading the target's hidden states; the target's embedding, and the target's head
+   one more pass keeps the hidden states the draft reads, so training never runs the target again.
+2. Draft (models/feature_draft.py): a feature draft of a few decoder layers initialised from chosen
+   (default: evenly spaced) target layers, reading chosen target hidden states (default: EAGLE-3's
+   three, fused); the target's embedding, and the target's head
    restricted to the tokens that carry most of the target's probability mass in the corpus. With
    `format="eagle3"` it is EAGLE-3's architecture instead (one layer reading 3 target layers, its own
    head rows over that vocabulary), saved in the layout serving engines load (models/eagle3_draft.py).
 3. Training: cross-entropy of the draft against the target's top-k distribution (KL up to a
    constant) at every answer position, as the 1st draft token (reading the target's states) and as
    the 2nd, 3rd ... (reading its own for the tokens before it in the draft: `draft_log_probs`
-   attends exactly as drafting does). Held-out greedy agreement (on greedy answers) and expected
+   attends exactly as drafting does), position k weighted decay ** k. Held-out greedy agreement (on greedy answers) and expected
    acceptance sum(min(p, q)) at temperature 1 (on sampled answers) are printed per draft token.
 
 Corpus shards, hidden states and training state live in a work folder until training ends, so an
@@ -40,6 +41,7 @@ from specdec_cli.models import eagle3_draft
 from specdec_cli.models.checkpoints import load_model
 from specdec_cli.models.feature_draft import (
     check_target_layers,
+    eagle3_layers,
     feature_inputs,
     init_draft,
     own_weights,
@@ -243,7 +245,7 @@ def read_layers(settings: DistillSettings, target: PreTrainedModel) -> tuple[int
     """The target states the draft reads: the settings', or the inputs of layers 2, L // 2 and L - 3
     (EAGLE-3's choice: low, middle and high; all of them on a target of 3 layers or fewer)."""
     count = target.config.num_hidden_layers
-    default = (2, count // 2, count - 3) if count > 3 else tuple(range(count + 1))
+    default = eagle3_layers(count) if count > 3 else tuple(range(count + 1))
     return settings.target_layers or default
 
 

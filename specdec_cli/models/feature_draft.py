@@ -47,6 +47,12 @@ def is_feature_draft(model: torch.nn.Module) -> bool:
     return hasattr(model, FEATURES)
 
 
+def eagle3_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's taps of a target of `num_layers` layers: the inputs of layers 2, L // 2 and L - 3
+    (low, middle, high)."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
 def target_layers(draft: PreTrainedModel) -> tuple[int, ...]:
     return tuple(getattr(draft.config, TARGET_LAYERS, None) or LAST)
 

@@ -43,7 +43,15 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 
 from specdec_cli.errors import SpecdecError
 from specdec_cli.models import dflash, medusa
-from specdec_cli.models.feature_draft import DRAFT_INFO, FEATURES, TAPS, TARGET_LAYERS, SubsetHead, load_draft
+from specdec_cli.models.feature_draft import (
+    DRAFT_INFO,
+    FEATURES,
+    TAPS,
+    TARGET_LAYERS,
+    SubsetHead,
+    eagle3_layers,
+    load_draft,
+)
 
 DRAFT_FORMAT = "specdec_draft_format"  # config key set on every loaded draft: the format's name
 PICKLES = ("*.bin", "*.pt", "*.pth")
@@ -347,7 +355,7 @@ def eagle3_taps(folder: DraftFolder, num_layers: int) -> tuple[list[int], str]:
             f"eagle_config.eagle_aux_hidden_state_layer_ids {nested}, outputs of those layers as SpecForge/SGLang count"
         )
     else:
-        taps = [2, num_layers // 2, num_layers - 3]
+        taps = list(eagle3_layers(num_layers))
         why = "the config names no layers: EAGLE-3's default, the inputs of layers 2, L//2, L-3"
     if len(taps) != 3 or len(set(taps)) != 3 or not all(isinstance(i, int) and 0 <= i < num_layers for i in taps):
         raise SpecdecError(
