@@ -13,7 +13,8 @@ from specdec_cli.models.pair import Pair, load_pair
 def load(cfg: Config) -> Pair:
     with display.stderr.status(f"Loading {cfg.target.describe()} and {cfg.draft.describe()}..."):
         pair = load_pair(cfg)
-    if pair.draft_description:  # which format, and which target layers it reads: a wrong guess drafts badly
+    if pair.drafter.reads_target_states:
+        # which format, and which target states it reads: a wrong guess runs, but drafts badly
         display.stderr.print(f"Draft: {pair.draft_description}")
     return pair
 
