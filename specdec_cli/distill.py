@@ -16,8 +16,9 @@
 3. Training: cross-entropy of the draft against the target's top-k distribution (KL up to a
    constant) at every answer position, as the 1st draft token (reading the target's states) and as
    the 2nd, 3rd ... (reading its own for the tokens before it in the draft: `draft_log_probs`
-   attends exactly as drafting does), position k weighted decay ** k. Held-out greedy agreement (on greedy answers) and expected
-   acceptance sum(min(p, q)) at temperature 1 (on sampled answers) are printed per draft token.
+   attends exactly as drafting does), position k weighted decay ** k. Held-out greedy agreement (on
+   greedy answers) and expected acceptance sum(min(p, q)) at temperature 1 (on sampled answers) are
+   printed per draft token.
 
 Corpus shards, hidden states and training state live in a work folder until training ends, so an
 interrupted run resumes where it stopped.

@@ -31,6 +31,19 @@ def cached(model) -> CachedModel:
     return CachedModel(model, model.config.vocab_size)
 
 
+# training prompts of the tiny distillation runs (tests/test_distill.py, tests/test_eagle3_export.py)
+DISTILL_PROMPTS = [
+    "Hello there",
+    "The quick brown fox",
+    "Once upon a time",
+    "Count to ten",
+    "Write a poem",
+    "A list: one, two",
+    "What is two plus two",
+    "abc abc",
+]
+
+
 TINY_PAIR = {
     "name": "tiny-test",
     "target": {"tiny": {"seed": 0}},

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
+from conftest import DISTILL_PROMPTS as PROMPTS
 from typer.testing import CliRunner
 
 from specdec_cli import verify
@@ -25,16 +26,6 @@ from specdec_cli.options import configure
 runner = CliRunner()
 
 TARGET = {"tiny": {"seed": 0, "num_layers": 2}}
-PROMPTS = [
-    "Hello there",
-    "The quick brown fox",
-    "Once upon a time",
-    "Count to ten",
-    "Write a poem",
-    "A list: one, two",
-    "What is two plus two",
-    "abc abc",
-]
 
 
 @pytest.fixture(scope="module")

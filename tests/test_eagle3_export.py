@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
+from conftest import DISTILL_PROMPTS as PROMPTS
 from safetensors import safe_open
 from typer.testing import CliRunner
 
@@ -33,16 +34,6 @@ runner = CliRunner()
 LAYERS = 4  # the tiny target's: EAGLE-3 reads 3 distinct inputs among layers 1 .. 3
 TARGET = {"tiny": {"seed": 0, "num_layers": LAYERS}}
 H, VOCAB, DRAFT_VOCAB = 64, 258, 96
-PROMPTS = [
-    "Hello there",
-    "The quick brown fox",
-    "Once upon a time",
-    "Count to ten",
-    "Write a poem",
-    "A list: one, two",
-    "What is two plus two",
-    "abc abc",
-]
 OPTIONS = (
     "--vocab 96 --steps 80 --learning-rate 3e-3 --answers-per-prompt 4 --synthetic-prompts 8 "
     "--answer-tokens 32 --eval-every 80 --dtype float32"
