@@ -31,11 +31,11 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from specdec_cli.errors import SpecdecError
 from specdec_cli.models.feature_draft import DRAFT_INFO, TAPS, TARGET_LAYERS, SubsetHead, own_weights, starting_layers
-from specdec_cli.models.formats import EAGLE3_ARCHITECTURES, Eagle3Head, make_eagle3
+from specdec_cli.models.formats import EAGLE3_ARCHITECTURES, Eagle3Head, llama_from, make_eagle3
 
 INFO = "distill.json"
 # in-memory names -> EAGLE-3's (own_weights of the draft that `init_eagle3` builds)
@@ -99,10 +99,6 @@ def eagle3_config(target: PreTrainedModel, taps: tuple[int, ...], draft_vocab: i
     }
 
 
-def llama_config(config: dict) -> LlamaConfig:
-    return LlamaConfig.from_dict({k: v for k, v in config.items() if k != "model_type"})
-
-
 def init_eagle3(
     target: PreTrainedModel,
     token_ids: torch.Tensor,
@@ -117,7 +113,7 @@ def init_eagle3(
     the layer's; `fc` passes the deepest tap (or nothing with `zero_features`: a token-only start);
     `norm` is the target's final norm and `lm_head` the target head's rows of `token_ids` (trained
     here, unlike specdec's draft, which borrows them)."""
-    config = llama_config(eagle3_config(target, taps, len(token_ids)))
+    config = llama_from(eagle3_config(target, taps, len(token_ids)))
     setattr(config, TARGET_LAYERS, sorted(taps))
     [source] = starting_layers(target.config, 1, init_layers)
     draft = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()

@@ -220,10 +220,14 @@ def with_dtype(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
 
 
-def llama_config(folder: DraftFolder) -> LlamaConfig:
+def llama_from(config: dict) -> LlamaConfig:
     """The draft's layers are Llama's in both EAGLE formats, whatever the target's architecture."""
+    return LlamaConfig.from_dict({k: v for k, v in config.items() if k != "model_type"})
+
+
+def llama_config(folder: DraftFolder) -> LlamaConfig:
     try:
-        return LlamaConfig.from_dict({k: v for k, v in folder.config.items() if k != "model_type"})
+        return llama_from(folder.config)
     except (TypeError, ValueError) as exc:
         raise SpecdecError(f"draft {folder.path}: config.json does not describe a Llama layer: {exc}") from None
 
