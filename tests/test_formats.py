@@ -2,17 +2,24 @@
 layout (config.json and model.safetensors with its tensor names, no tokenizer, no embedding) load
 against a tiny target, decode exactly, and compute what the format says they compute: the test
 computes each format's forward itself with plain torch ops and compares the loaded draft's
-distributions with it, so a mix-up of taps, norms, d2t or residual fails."""
+distributions with it, so a mix-up of taps, norms, d2t or residual fails. A hub id loads such a
+folder the same way (the download replaced by a copy of it); a hub that is out of reach is one line."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import subprocess
+import sys
 
+import huggingface_hub
 import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+from huggingface_hub.utils import filter_repo_objects
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
@@ -381,3 +388,72 @@ def test_a_truncated_weights_file_is_one_error_line(tmp_path):
     assert run.exit_code == EXIT_BAD_INPUT
     [error] = [line for line in run.stderr.splitlines() if line.startswith("Error:")]
     assert "not a readable safetensors file" in error
+
+
+# ---------------------------------------------------------------- hub ids
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """The hub without a network: repo ids mapped to local folders. A download copies the files its
+    patterns select (huggingface_hub's own matching) into a snapshot folder per revision and returns it."""
+    repos = {}
+
+    def snapshot_download(repo_id, *, revision=None, allow_patterns=None, ignore_patterns=None):
+        source, snapshot = repos[repo_id], tmp_path / "hub" / repo_id / (revision or "main")
+        names = [str(path.relative_to(source)) for path in source.rglob("*") if path.is_file()]
+        for name in filter_repo_objects(names, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns):
+            (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(source / name, snapshot / name)
+        snapshot.mkdir(parents=True, exist_ok=True)
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    return repos
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_a_hub_id_loads_the_drafts_format_and_decodes_exactly(kind, tmp_path, hub):
+    config, weights = eagle_checkpoint() if kind == "eagle" else eagle3_checkpoint()
+    repo = write_folder(tmp_path / "repo", config, weights)
+    (repo / "README.md").write_text("a model card")
+    if kind == "eagle":  # as SafeAILab publishes EAGLE-1/2: a pickle only
+        (repo / "model.safetensors").unlink()
+        torch.save(weights, repo / "pytorch_model.bin")
+        fetched = ["config.json", "pytorch_model.bin"]
+    else:  # the weights also as a pickle and in a subfolder: only the safetensors are fetched
+        torch.save(weights, repo / "pytorch_model.bin")
+        (repo / "original").mkdir()
+        torch.save(weights, repo / "original" / "consolidated.00.pth")
+        fetched = ["config.json", "model.safetensors"]
+    hub["someone/draft"] = repo
+    pair = load_pair(
+        load_config(str(write_pair(tmp_path, None, draft={"checkpoint": "someone/draft", "revision": "v1"})))
+    )
+    assert sorted(p.name for p in (tmp_path / "hub" / "someone" / "draft" / "v1").rglob("*")) == fetched
+    assert pair.draft_description.startswith(f"{kind} draft, reads the target's")
+    ids, greedy = pair.encode(PROMPT, raw=True), SamplingParams(0.0)
+    speculative = pair.decoder(greedy).generate(ids, 24, 0, ignore_eos=True).token_ids
+    assert speculative == pair.decoder(greedy, speculative=False).generate(ids, 24, 0, ignore_eos=True).token_ids
+
+
+@pytest.mark.parametrize(
+    "hub_env",
+    [{"HF_HUB_OFFLINE": "1"}, {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}],  # port 9: refused
+    ids=["offline", "unreachable"],
+)
+def test_a_hub_draft_that_cannot_be_fetched_is_one_error_line(tmp_path, hub_env):
+    """The real entry point, an empty hub cache and no hub: one `Error:` line, exit 2, no traceback."""
+    config = write_pair(tmp_path, None, draft={"checkpoint": "someone/no-such-draft"})
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE")}
+    env.update(hub_env, HF_HOME=str(tmp_path / "hf"))
+    done = subprocess.run(
+        [sys.executable, "-m", "specdec_cli", "generate", "-c", str(config), "-p", "Hi"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert done.returncode == EXIT_BAD_INPUT, done.stderr
+    [error] = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
+    assert error.startswith("Error: cannot fetch someone/no-such-draft from the Hugging Face hub: "), error
+    assert "Traceback" not in done.stderr

