@@ -84,6 +84,10 @@ class Sampling:
 @dataclass
 class Speculation:
     num_draft_tokens: int = 4  # gamma: tokens drafted per target forward
+    # a draft model stops drafting a block at the first token it gives less than this probability
+    # (in every row of a batch): unlikely drafts are mostly rejected, and each costs a draft step and
+    # a wider verification. 0: always num_draft_tokens. The output stays exact either way.
+    confidence_threshold: float = 0.0
 
 
 @dataclass
@@ -222,6 +226,10 @@ def validate(config: Config) -> None:
         raise SpecdecError(f"top_k must be >= 0 (0 disables it), got {s.top_k}")
     if config.speculation.num_draft_tokens < 1:
         raise SpecdecError(f"num_draft_tokens must be >= 1, got {config.speculation.num_draft_tokens}")
+    if not 0 <= config.speculation.confidence_threshold < 1:
+        raise SpecdecError(
+            f"confidence_threshold must be in [0, 1) (0 always drafts), got {config.speculation.confidence_threshold}"
+        )
     if config.generation.max_new_tokens < 1:
         raise SpecdecError(f"max_new_tokens must be >= 1, got {config.generation.max_new_tokens}")
     r = config.runtime

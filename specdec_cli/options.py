@@ -27,6 +27,10 @@ SeedOpt = Annotated[Optional[int], typer.Option(help="Random seed (same seed, sa
 GammaOpt = Annotated[
     Optional[int], typer.Option("--num-draft-tokens", "--gamma", "-g", help="Draft tokens per target forward.")
 ]
+ConfidenceOpt = Annotated[
+    Optional[float],
+    typer.Option(help="A draft model stops drafting a block at a token it gives less probability than this; 0 never."),
+]
 MaxNewOpt = Annotated[Optional[int], typer.Option(help="Most tokens to generate.")]
 IgnoreEosOpt = Annotated[
     Optional[bool], typer.Option("--ignore-eos/--stop-at-eos", help="Keep generating past end-of-sequence.")

@@ -119,6 +119,11 @@ def assert_one_line_error(result, *fragments: str, code: int = EXIT_BAD_INPUT):
         ({"sampling": {"top_p": 1.5}}, ["top_p must be in (0, 1]"]),
         ({"sampling": {"top_k": -1}}, ["top_k must be >= 0"]),
         ({"speculation": {"num_draft_tokens": 0}}, ["num_draft_tokens must be >= 1"]),
+        ({"speculation": {"confidence_threshold": 1}}, ["confidence_threshold must be in [0, 1)"]),
+        (
+            {"draft": {"ngram": {}}, "speculation": {"confidence_threshold": 0.3}},
+            ["confidence_threshold applies to drafts that draft token by token"],
+        ),
         ({"runtime": {"dtype": "float8"}}, ["dtype must be"]),
         ({"draft": {"checkpoint": "/nonexistent/model"}}, ["checkpoint not found: /nonexistent/model"]),
         ({"draft": {"checkpoint": "missing.gguf"}}, ["checkpoint not found: missing.gguf"]),
@@ -138,6 +143,7 @@ def test_config_errors(write_config, changes, fragments):
         (["--temperature", "inf"], ["temperature must be a finite number >= 0"]),
         (["--top-p", "2"], ["top_p must be in (0, 1]"]),
         (["--gamma", "0"], ["num_draft_tokens must be >= 1"]),
+        (["--confidence-threshold", "-0.1"], ["confidence_threshold must be in [0, 1)"]),
     ],
 )
 def test_flag_errors(write_config, args, fragments):

@@ -9,15 +9,16 @@ import torch
 from specdec_cli.decoding.cache import CachedModel, right_padded
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.drafters.base import NOT_DRAFTED, Drafts, Rows, States
-from specdec_cli.drafters.model import draft_token, stack_drafts
+from specdec_cli.drafters.model import confident, draft_token, stack_drafts
 from specdec_cli.models.feature_draft import feature_inputs, read_target
 
 
 class FeatureDrafter:
     reads_target_states = True
 
-    def __init__(self, model: CachedModel):
+    def __init__(self, model: CachedModel, confidence_threshold: float = 0.0):
         self.model = model
+        self.confidence_threshold = confidence_threshold  # see config.Speculation
         self.pending: list[list[int]] = []  # per row: context tokens not yet in the draft's cache ...
         self.pending_states: list[torch.Tensor] = []  # ... and the states beside them [n, H]
 
@@ -56,27 +57,25 @@ class FeatureDrafter:
     def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None) -> Drafts:
         # a row after a one-token prompt has no state to read yet: it drafts nothing this block
         rows_without_state = [not p for p in self.pending]  # decided on the host: no device sync
-        if all(rows_without_state):
-            return (
-                torch.zeros(len(self.pending), 0, dtype=torch.long, device=self.model.device),
-                None
-                if params.greedy
-                else torch.zeros(len(self.pending), 0, self.model.vocab_size, device=self.model.device),
-            )
         tokens, probs = [], []
-        logits, states = self._forward(self.pending, self.pending_states)
-        for step in range(gamma):
-            if step:
-                out = self.model.forward(
-                    inputs_embeds=feature_inputs(self.model.model, tokens[-1][:, None], states),
-                    last_only=True,
-                    hidden=True,
-                )
-                logits, states = out.logits[:, -1], out.hidden[:, -1:]
-            token, q = draft_token(logits, params, generator)
-            tokens.append(token)
-            probs.append(q)
-        drafts, q = stack_drafts(tokens, probs)
+        if not all(rows_without_state):
+            logits, states = self._forward(self.pending, self.pending_states)
+            for step in range(gamma):
+                if step:
+                    out = self.model.forward(
+                        inputs_embeds=feature_inputs(self.model.model, tokens[-1][:, None], states),
+                        last_only=True,
+                        hidden=True,
+                    )
+                    logits, states = out.logits[:, -1], out.hidden[:, -1:]
+                token, q = draft_token(logits, params, generator)
+                if not confident(logits, q, self.confidence_threshold):
+                    if step:  # the last kept draft token was fed: commit() rolls back one fewer
+                        self.model.rollback(1)
+                    break
+                tokens.append(token)
+                probs.append(q)
+        drafts, q = stack_drafts(tokens, probs, len(self.pending), self.model.vocab_size, self.model.device)
         stateless = torch.tensor(rows_without_state, device=self.model.device)
         drafts = drafts.masked_fill(stateless[:, None], NOT_DRAFTED)
         return drafts, None if q is None else q.masked_fill(stateless[:, None, None], 0.0)
@@ -84,7 +83,7 @@ class FeatureDrafter:
     def commit(self, draft_ids: Rows, num_accepted: list[int], next_tokens: list[int], target_states: States) -> None:
         # the drafted positions were computed from the draft's own states: redo them (and the
         # accepted ones) from the target's
-        self.model.rollback(len(draft_ids[0]) - 1)
+        self.model.rollback(max(len(draft_ids[0]) - 1, 0))  # (a block of no drafts fed none)
         self.pending = [ids[:accepted] + [token] for ids, accepted, token in zip(draft_ids, num_accepted, next_tokens)]
         self.pending_states = [target_states[row, : accepted + 1] for row, accepted in enumerate(num_accepted)]
 

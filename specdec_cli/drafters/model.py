@@ -20,9 +20,23 @@ def draft_token(
     return sample(q, generator), q
 
 
+def confident(logits: torch.Tensor, q: torch.Tensor | None, threshold: float) -> bool:
+    """Whether some row's draft gives its most likely token at least `threshold` probability (q's, or
+    the plain softmax's when greedy). It must not look at the sampled token: stopping because of the
+    token drawn would bias which tokens get proposed, and the output would no longer be the target's
+    (the statistical checks fail). A host sync: with a threshold of 0 it is skipped."""
+    if threshold <= 0:
+        return True
+    probs = logits.float().softmax(-1) if q is None else q
+    return bool((probs.max(-1).values >= threshold).any())
+
+
 def stack_drafts(
-    tokens: list[torch.Tensor], probs: list[torch.Tensor | None]
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    tokens: list[torch.Tensor], probs: list[torch.Tensor | None], rows: int, vocab_size: int, device: torch.device
+) -> Drafts:
+    """[B, g] drafts and [B, g, V] q (None when greedy) from per-step lists, g = 0 included."""
+    if not tokens:
+        return torch.zeros(rows, 0, dtype=torch.long, device=device), torch.zeros(rows, 0, vocab_size, device=device)
     return torch.stack(tokens, dim=1), None if probs[0] is None else torch.stack(probs, dim=1)
 
 
@@ -31,8 +45,9 @@ class ModelDrafter:
 
     reads_target_states = False
 
-    def __init__(self, model: CachedModel):
+    def __init__(self, model: CachedModel, confidence_threshold: float = 0.0):
         self.model = model
+        self.confidence_threshold = confidence_threshold  # see config.Speculation
         self.pending: list[list[int]] = []
 
     def start(self, prompts: Rows, max_tokens: int, target_states: States) -> None:
@@ -45,14 +60,18 @@ class ModelDrafter:
     def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None) -> Drafts:
         tokens, probs = [], []
         next_input, counts = right_padded(self.pending, self.model.device)
-        for _ in range(gamma):
+        for step in range(gamma):
             logits = self.model.forward(next_input, counts=counts, last_only=True).logits[:, -1]
             token, q = draft_token(logits, params, generator)
+            if not confident(logits, q, self.confidence_threshold):
+                if step:  # the last kept draft token was fed: commit() expects it unfed
+                    self.model.rollback(1)
+                break
             tokens.append(token)
             probs.append(q)
             next_input, counts = token[:, None], None
         self.pending = [[] for _ in self.pending]  # all fed except the last draft token, which commit() settles
-        return stack_drafts(tokens, probs)
+        return stack_drafts(tokens, probs, len(self.pending), self.model.vocab_size, self.model.device)
 
     def commit(self, draft_ids: Rows, num_accepted: list[int], next_tokens: list[int], target_states: States) -> None:
         gamma = len(draft_ids[0])

@@ -123,8 +123,10 @@ def load_pair(config: Config) -> Pair:
     model, tokenizer = load_model(config.target, device, dtype)
     vocab_size = model.get_output_embeddings().out_features
     state_layers, description = LAST, None
+    threshold = config.speculation.confidence_threshold
     if config.draft.ngram is not None:
         drafter = NgramDrafter(config.draft.ngram.max_n, config.draft.ngram.min_n, vocab_size, device)
+        token_by_token = False
     else:
         draft_model, draft_tokenizer = load_model(config.draft, device, dtype, target=model)
         if draft_tokenizer is not None:  # a draft without one (EAGLE's) uses the target's
@@ -141,15 +143,21 @@ def load_pair(config: Config) -> Pair:
                 f"{list(state_layers)} (outputs of layers {draft_model.target_layer_ids})"
             )
         elif is_feature_draft(draft_model):
-            drafter = FeatureDrafter(CachedModel(draft_model, vocab_size))
+            drafter = FeatureDrafter(CachedModel(draft_model, vocab_size), threshold)
             state_layers = target_layers(draft_model)  # what the target hands the draft
             read = "last hidden state" if state_layers == LAST else f"hidden states {list(state_layers)}"
             description = f"{kind} draft, reads the target's {read}"
         else:
-            drafter = ModelDrafter(CachedModel(draft_model, vocab_size))
+            drafter = ModelDrafter(CachedModel(draft_model, vocab_size), threshold)
             description = f"{kind} draft, reads tokens only"
+        token_by_token = isinstance(drafter, (ModelDrafter, FeatureDrafter))
         if config.draft.lookup is not None:
             lookup = NgramDrafter(config.draft.lookup.max_n, config.draft.lookup.min_n, vocab_size, device)
             drafter = LookupFirstDrafter(lookup, drafter)
+    if threshold and not token_by_token:
+        raise SpecdecError(
+            "confidence_threshold applies to drafts that draft token by token (a draft model, a feature "
+            "or EAGLE draft): this draft proposes its block at once"
+        )
     target = CachedModel(model, vocab_size, state_layers)
     return Pair(config, tokenizer, target, drafter, device, dtype, description)
