@@ -21,7 +21,9 @@ def load(cfg: Config) -> Pair:
 
 def title(cfg: Config, gamma: int, extra: str = "") -> str:
     mode = "greedy" if cfg.sampling.temperature == 0 else "sampled"
-    return f"{cfg.name}: {gamma} draft tokens, {mode}{extra}"
+    threshold = cfg.speculation.confidence_threshold
+    fewer = f" (fewer below confidence {threshold:g})" if threshold else ""
+    return f"{cfg.name}: {gamma} draft tokens{fewer}, {mode}{extra}"
 
 
 def generate_one(cfg: Config, text: str, raw: bool, as_json: bool) -> None:
