@@ -160,7 +160,14 @@ class ProgressLines:
     def add_task(self, description: str, total: float, completed: float = 0) -> int:
         now = time.monotonic()
         self.tasks.append(
-            {"description": description, "total": total, "completed": completed, "started": now, "printed": now}
+            {
+                "description": description,
+                "total": total,
+                "completed": completed,
+                "resumed_at": completed,
+                "started": now,
+                "printed": now,
+            }
         )
         return len(self.tasks) - 1
 
@@ -179,15 +186,17 @@ class ProgressLines:
         if finished or now - t["printed"] >= self.every:
             t["printed"] = now
             self.console.print(
-                progress_line(t["description"], t["completed"], t["total"], now - t["started"]),
+                progress_line(t["description"], t["completed"], t["total"], now - t["started"], t["resumed_at"]),
                 markup=False,
                 highlight=False,
             )
 
 
-def progress_line(description: str, done: float, total: float, elapsed: float) -> str:
+def progress_line(description: str, done: float, total: float, elapsed: float, resumed_at: float = 0) -> str:
+    """`resumed_at`: what was done before this run (a resumed job); the ETA comes from this run's rate."""
     share = done / total if total else 1.0
-    eta = f", ETA {duration(elapsed / share - elapsed)}" if 0 < share < 1 else ""
+    rate = (done - resumed_at) / elapsed if elapsed > 0 else 0.0
+    eta = f", ETA {duration((total - done) / rate)}" if share < 1 and rate > 0 else ""
     return f"progress: {description}: {done:g}/{total:g} ({share:.0%}), {duration(elapsed)} elapsed{eta}"
 
 

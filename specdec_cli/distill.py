@@ -121,11 +121,13 @@ def build_corpus(
         min(GENERATION_BATCH, settings.synthetic_prompts - start)
         for start in range(0, settings.synthetic_prompts, GENERATION_BATCH)
     ]
+    sizes = [len(g) for g in groups] + synthetic
+    paths = [work / f"corpus-{shard:05d}.pt" for shard in range(len(sizes))]
     corpus: list[dict] = []
     with display.progress() as bar:
-        task = bar.add_task("Target writes the corpus", total=sum(map(len, groups)) + settings.synthetic_prompts)
-        for shard, size in enumerate([len(g) for g in groups] + synthetic):
-            path = work / f"corpus-{shard:05d}.pt"
+        resumed = sum(size for size, path in zip(sizes, paths) if path.is_file())
+        task = bar.add_task("Target writes the corpus", total=sum(sizes), completed=resumed)
+        for shard, (size, path) in enumerate(zip(sizes, paths)):
             if not path.is_file():
                 torch.manual_seed(settings.seed * 1_000_003 + shard)  # deterministic, also on resume
                 if shard < len(groups):
@@ -140,8 +142,8 @@ def build_corpus(
                     for answer in answers:
                         answer["synthetic"] = True  # never held out: evaluation stays on the given prompts
                 torch.save(answers, path)
+                bar.update(task, advance=size)
             corpus += torch.load(path)
-            bar.update(task, advance=size)
     return corpus
 
 

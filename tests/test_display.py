@@ -48,3 +48,5 @@ def test_logs_get_plain_progress_lines():
     lines = out.getvalue().splitlines()
     assert len(lines) == 1 and lines[0].startswith("progress: prompt 2/2: 4/4 (100%), 0s elapsed")
     assert display.progress_line("x", 1, 4, 90) == "progress: x: 1/4 (25%), 1m30s elapsed, ETA 4m30s"
+    # resumed at 2 of 10: the ETA comes from the 1 done in this run's 60 s, not from all 3
+    assert display.progress_line("x", 3, 10, 60, resumed_at=2) == "progress: x: 3/10 (30%), 1m00s elapsed, ETA 7m00s"
