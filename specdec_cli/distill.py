@@ -252,35 +252,41 @@ def read_layers(settings: DistillSettings, target: PreTrainedModel) -> tuple[int
     return settings.target_layers or default
 
 
-@torch.inference_mode()
 def add_target_features(
     target: PreTrainedModel, corpus: list[dict], pad: int, work: Path, layers: tuple[int, ...]
 ) -> None:
     """The target's hidden states `layers` at every token but the last of each answer's sequence,
     which the draft reads beside the next token (kept in the work folder, one file per choice of
-    layers, so a restart or a retrain reading the same layers skips this pass)."""
+    layers, so a restart or a retrain reading the same layers skips this pass). The corpus grows
+    only at its end (more synthetic prompts), so a kept file covers its first answers: only the
+    answers added since are run."""
     path = work / FEATURES.format("_".join(map(str, layers)))
-    if path.is_file():
-        features = torch.load(path)
-    else:
-        features = []
-        with display.progress() as bar:
-            task = bar.add_task("Target hidden states", total=len(corpus))
-            for start in range(0, len(corpus), 8):
-                seqs = [a["prompt"] + a["answer"][:-1] for a in corpus[start : start + 8]]
-                ids, mask = pad_right(seqs, pad)
-                out = target(
-                    input_ids=ids.to(target.device),
-                    attention_mask=mask.to(target.device),
-                    output_hidden_states=True,
-                    logits_to_keep=1,
-                )
-                states = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
-                features += [states[row, : len(seq)].cpu() for row, seq in enumerate(seqs)]
-                bar.update(task, advance=len(seqs))
+    features = torch.load(path) if path.is_file() else []
+    if len(features) < len(corpus):
+        features += target_states(target, corpus[len(features) :], pad, layers)
         torch.save(features, path)
     for answer, state in zip(corpus, features):
         answer["features"] = state
+
+
+@torch.inference_mode()
+def target_states(target: PreTrainedModel, answers: list[dict], pad: int, layers: tuple[int, ...]) -> list:
+    states = []
+    with display.progress() as bar:
+        task = bar.add_task("Target hidden states", total=len(answers))
+        for start in range(0, len(answers), 8):
+            seqs = [a["prompt"] + a["answer"][:-1] for a in answers[start : start + 8]]
+            ids, mask = pad_right(seqs, pad)
+            out = target(
+                input_ids=ids.to(target.device),
+                attention_mask=mask.to(target.device),
+                output_hidden_states=True,
+                logits_to_keep=1,
+            )
+            batch = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
+            states += [batch[row, : len(seq)].cpu() for row, seq in enumerate(seqs)]
+            bar.update(task, advance=len(seqs))
+    return states
 
 
 def pad_right(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:

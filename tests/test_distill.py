@@ -17,7 +17,7 @@ from specdec_cli import verify
 from specdec_cli.cli import app
 from specdec_cli.config import load_config
 from specdec_cli.decoding.params import SamplingParams
-from specdec_cli.distill import Batch, draft_log_probs
+from specdec_cli.distill import Batch, add_target_features, draft_log_probs, target_states
 from specdec_cli.errors import EXIT_BAD_INPUT
 from specdec_cli.models.feature_draft import DRAFT_INFO, feature_inputs, init_draft, read_target
 from specdec_cli.models.pair import load_pair
@@ -235,3 +235,26 @@ def test_flags_override_the_yaml_only_when_given(write_config):
     pair = load_pair(load_config(config))
     assert pair.decoder(SamplingParams(), num_draft_tokens=0).gamma == 0  # an explicit 0 is not "not given"
     assert pair.decoder(SamplingParams()).gamma == 3
+
+
+def test_kept_target_states_extend_with_the_corpus(tiny_target, tmp_path):
+    """A retrain with more synthetic prompts keeps the states of the answers it has and runs the
+    target only on the new ones; each answer gets the states of its own tokens."""
+    torch.manual_seed(0)
+    vocab = tiny_target.config.vocab_size
+    corpus = [
+        {"prompt": torch.randint(1, vocab, (3,)).tolist(), "answer": torch.randint(1, vocab, (n,)).tolist()}
+        for n in (4, 7, 2, 5, 6)
+    ]
+    fresh = target_states(tiny_target, corpus, 0, (-1,))
+    add_target_features(tiny_target, corpus[:3], 0, tmp_path, (-1,))
+    [path] = tmp_path.glob("target-features-*.pt")
+    first = path.stat().st_mtime_ns
+    add_target_features(tiny_target, corpus, 0, tmp_path, (-1,))
+    assert len(torch.load(path)) == 5 and path.stat().st_mtime_ns > first
+    for answer, states in zip(corpus, fresh):
+        assert answer["features"].shape == (len(answer["prompt"]) + len(answer["answer"]) - 1, states.shape[-1])
+        torch.testing.assert_close(answer["features"], states, atol=1e-5, rtol=1e-5)
+    smaller = [dict(a) for a in corpus[:2]]  # fewer synthetic prompts than the kept file covers
+    add_target_features(tiny_target, smaller, 0, tmp_path, (-1,))
+    torch.testing.assert_close(smaller[1]["features"], fresh[1])
