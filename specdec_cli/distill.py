@@ -258,19 +258,27 @@ def add_target_features(
     """The target's hidden states `layers` at every token but the last of each answer's sequence,
     which the draft reads beside the next token (kept in the work folder, one file per choice of
     layers, so a restart or a retrain reading the same layers skips this pass). The corpus grows
-    only at its end (more synthetic prompts), so a kept file covers its first answers: only the
-    answers added since are run."""
+    at its end (more synthetic prompts): kept states are reused as long as they fit their answers'
+    lengths, and only the answers after them are run."""
     path = work / FEATURES.format("_".join(map(str, layers)))
     features = torch.load(path) if path.is_file() else []
-    if len(features) < len(corpus):
-        features += target_states(target, corpus[len(features) :], pad, layers)
+    kept = next((i for i, (a, f) in enumerate(zip(corpus, features)) if len(f) != sequence_length(a)), len(features))
+    if kept < len(corpus):
+        features = features[:kept] + target_states(target, corpus[kept:], pad, layers)
         torch.save(features, path)
     for answer, state in zip(corpus, features):
         answer["features"] = state
 
 
+def sequence_length(answer: dict) -> int:
+    return len(answer["prompt"]) + len(answer["answer"]) - 1
+
+
 @torch.inference_mode()
-def target_states(target: PreTrainedModel, answers: list[dict], pad: int, layers: tuple[int, ...]) -> list:
+def target_states(
+    target: PreTrainedModel, answers: list[dict], pad: int, layers: tuple[int, ...]
+) -> list[torch.Tensor]:
+    """Per answer [sequence_length, taps * hidden]: the target's states `layers` at its tokens."""
     states = []
     with display.progress() as bar:
         task = bar.add_task("Target hidden states", total=len(answers))

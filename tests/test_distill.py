@@ -17,7 +17,7 @@ from specdec_cli import verify
 from specdec_cli.cli import app
 from specdec_cli.config import load_config
 from specdec_cli.decoding.params import SamplingParams
-from specdec_cli.distill import Batch, add_target_features, draft_log_probs, target_states
+from specdec_cli.distill import Batch, add_target_features, draft_log_probs, sequence_length, target_states
 from specdec_cli.errors import EXIT_BAD_INPUT
 from specdec_cli.models.feature_draft import DRAFT_INFO, feature_inputs, init_draft, read_target
 from specdec_cli.models.pair import load_pair
@@ -258,3 +258,11 @@ def test_kept_target_states_extend_with_the_corpus(tiny_target, tmp_path):
     smaller = [dict(a) for a in corpus[:2]]  # fewer synthetic prompts than the kept file covers
     add_target_features(tiny_target, smaller, 0, tmp_path, (-1,))
     torch.testing.assert_close(smaller[1]["features"], fresh[1])
+    # kept states are reused, not recomputed: marked ones come back as they were
+    torch.save([torch.zeros_like(f) for f in fresh[:3]], path)
+    add_target_features(tiny_target, corpus, 0, tmp_path, (-1,))
+    assert not corpus[2]["features"].any() and corpus[3]["features"].any()
+    # a corpus whose answers changed (other settings on the same folder) is not given stale states
+    changed = [dict(corpus[0], answer=corpus[0]["answer"] + [1])] + corpus[1:]
+    add_target_features(tiny_target, changed, 0, tmp_path, (-1,))
+    assert changed[0]["features"].shape[0] == sequence_length(changed[0]) and changed[1]["features"].any()
