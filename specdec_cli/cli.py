@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from enum import Enum
 from pathlib import Path
@@ -408,10 +409,17 @@ def distill(
     distillation.distill(cfg, texts, settings, out, keep_work)
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> None:
     """Entry point: usage errors (unknown flags, unparsable values) also become one `Error:` line."""
     if len(sys.argv) == 1:
         sys.argv.append("--help")
+    # `timeout`, `kill` and CI runners stop a job with SIGTERM: keep what Ctrl-C keeps (a benchmark's
+    # finished prompts, distill's training state) instead of dying mid-write
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         code = app(standalone_mode=False)
     except typer.Abort:

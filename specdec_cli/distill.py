@@ -86,6 +86,14 @@ class DistillSettings:
     format: str = "specdec"  # or "eagle3": EAGLE-3's architecture, saved in its layout
 
 
+def save_whole(obj, path: Path) -> None:
+    """torch.save through a temporary file: a run stopped mid-write leaves the previous file (or none),
+    never a truncated one that the resumed run would fail to read."""
+    partial = path.with_suffix(".partial")
+    torch.save(obj, partial)
+    partial.replace(path)
+
+
 @dataclass
 class Job:
     prompt_index: int
@@ -141,7 +149,7 @@ def build_corpus(
                     )
                     for answer in answers:
                         answer["synthetic"] = True  # never held out: evaluation stays on the given prompts
-                torch.save(answers, path)
+                save_whole(answers, path)
                 bar.update(task, advance=size)
             corpus += torch.load(path)
     return corpus
@@ -265,7 +273,7 @@ def add_target_features(
     kept = next((i for i, (a, f) in enumerate(zip(corpus, features)) if len(f) != sequence_length(a)), len(features))
     if kept < len(corpus):
         features = features[:kept] + target_states(target, corpus[kept:], pad, layers)
-        torch.save(features, path)
+        save_whole(features, path)
     for answer, state in zip(corpus, features):
         answer["features"] = state
 
@@ -468,7 +476,7 @@ def train(
         evaluation()
 
     def save_state() -> None:
-        torch.save(
+        save_whole(
             {
                 "draft": own_weights(draft),
                 "optimizer": optimizer.state_dict(),

@@ -4,7 +4,12 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -21,7 +26,7 @@ from specdec_cli.distill import Batch, add_target_features, draft_log_probs, seq
 from specdec_cli.errors import EXIT_BAD_INPUT
 from specdec_cli.models.feature_draft import DRAFT_INFO, feature_inputs, init_draft, read_target
 from specdec_cli.models.pair import load_pair
-from specdec_cli.options import configure
+from specdec_cli.options import EXIT_INTERRUPTED, configure
 
 runner = CliRunner()
 
@@ -266,3 +271,34 @@ def test_kept_target_states_extend_with_the_corpus(tiny_target, tmp_path):
     changed = [dict(corpus[0], answer=corpus[0]["answer"] + [1])] + corpus[1:]
     add_target_features(tiny_target, changed, 0, tmp_path, (-1,))
     assert changed[0]["features"].shape[0] == sequence_length(changed[0]) and changed[1]["features"].any()
+
+
+def test_sigterm_keeps_the_training_state_and_the_run_resumes(tmp_path):
+    """`timeout` and CI runners stop a job with SIGTERM: distill saves its state as on Ctrl-C (exit 130),
+    and the same command then goes on from that step."""
+    config = tmp_path / "target.yaml"
+    config.write_text(
+        yaml.safe_dump({"name": "tiny", "target": TARGET, "draft": {"ngram": {}}, "runtime": {"threads": 1}})
+    )
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS))
+    out = tmp_path / "draft"
+    settings = ["--vocab", "96", "--answers-per-prompt", "1", "--synthetic-prompts", "4", "--answer-tokens", "16"]
+    command = [sys.executable, "-m", "specdec_cli", "distill", "-c", str(config), "--out", str(out)]
+    command += ["--prompts", str(prompts), "--dtype", "float32", *settings]
+    env = {**os.environ, "SPECDEC_RUNS_DIR": str(tmp_path / "runs")}
+    work = out / "distill-work"
+    job = subprocess.Popen([*command, "--steps", "100000"], env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(work.glob("target-features-*.pt")) and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(3)  # training is under way
+    job.send_signal(signal.SIGTERM)
+    stderr = job.communicate(timeout=60)[1]
+    assert job.returncode == EXIT_INTERRUPTED, stderr
+    assert "Interrupted at step" in stderr
+    saved = torch.load(work / "train-state.pt", weights_only=False)["step"]
+    assert saved > 0 and not list(work.glob("*.partial"))
+    resumed = subprocess.run([*command, "--steps", str(saved + 2)], env=env, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads((out / DRAFT_INFO).read_text())["log"][-1]["step"] == saved + 2
