@@ -292,7 +292,8 @@ def verify_distribution(
   specdec distill --out drafts/my-draft\n
   specdec distill -c configs/my-target.yaml --out drafts/x --prompts prompts.txt --steps 500 --layers 2\n
   specdec distill --out drafts/y --target-layers=-1 --keep-work   # read only the target's last state\n
-  specdec distill --out drafts/eagle3 --format eagle3"""
+  specdec distill --out drafts/eagle3 --format eagle3\n
+  specdec distill --out drafts/z --answers drafts/my-draft/corpus.jsonl.gz --layers 2   # reuse a corpus"""
 )
 @reports_errors
 def distill(
@@ -301,6 +302,13 @@ def distill(
     prompts: Annotated[
         Optional[Path],
         typer.Option(help="Training prompts (text, JSONL or Spec-Bench JSONL) (default: the built-in training set)."),
+    ] = None,
+    answers: Annotated[
+        Optional[Path],
+        typer.Option(
+            help='JSONL (.gz) of {"prompt": ..., "answer": ...}: the target labels these answers instead of '
+            "writing its own (a saved draft's corpus.jsonl.gz, or your own conversations).",
+        ),
     ] = None,
     layers: Annotated[int, typer.Option(min=1, help="Decoder layers of the draft.")] = 1,
     draft_format: Annotated[
@@ -385,6 +393,8 @@ def distill(
     from specdec_cli.bench.prompts import training_prompts
 
     cfg = configure(config, sampling__seed=seed, runtime__device=device, runtime__dtype=dtype, runtime__threads=threads)
+    if prompts and answers:
+        raise SpecdecError("--prompts and --answers exclude each other: the target answers prompts, or labels answers")
     texts = [p.turns[0] for p in (load_prompts(prompts) if prompts else training_prompts())]
     from specdec_cli import distill as distillation  # torch/transformers load only once arguments are fine
 
@@ -406,7 +416,7 @@ def distill(
         seed=cfg.sampling.seed,
         format=draft_format.value,
     )
-    distillation.distill(cfg, texts, settings, out, keep_work)
+    distillation.distill(cfg, texts, settings, out, keep_work, answers)
 
 
 def _interrupt(signum, frame) -> None:

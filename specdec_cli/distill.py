@@ -7,6 +7,8 @@
    trained on them alone learns their answers by heart instead of the target's habits. While it
    writes, the target's own next-token distribution at every answer position is kept (its top-k);
    one more pass keeps the hidden states the draft reads, so training never runs the target again.
+   The corpus is saved as text beside the draft; given answers (that file, or any conversations),
+   the target labels them in one forward pass each instead of writing its own.
 2. Draft (models/feature_draft.py): a feature draft of a few decoder layers initialised from chosen
    (default: evenly spaced) target layers, reading chosen target hidden states (default: EAGLE-3's
    three, fused); the target's embedding, and the target's head
@@ -26,6 +28,8 @@ interrupted run resumes where it stopped.
 
 from __future__ import annotations
 
+import gzip
+import json
 import math
 import random
 import shutil
@@ -57,6 +61,8 @@ from specdec_cli.models.tokens import encode_prompt, eos_token_ids, padding_id
 WORK = "distill-work"  # subfolder of the output: corpus and training state until training ends
 STATE = "train-state.pt"  # (train-state-eagle3.pt for an EAGLE-3 draft)
 FEATURES = "target-features-{}.pt"
+ANSWERS = "corpus.jsonl.gz"  # the corpus as text, saved beside the draft: `--answers` labels it again
+LABEL_SHARD = 256  # answers per shard of labels (a restart keeps the finished shards)
 GENERATION_BATCH = 32  # sampling many answers at once is far faster than one by one
 PROMPT_TOKENS = 64  # most tokens of a prompt the target writes
 FORMATS = ("specdec", "eagle3")  # the draft specdec trains, or EAGLE-3's (models/eagle3_draft.py)
@@ -115,12 +121,12 @@ def corpus_batches(num_prompts: int, answers_per_prompt: int) -> list[list[Job]]
 def build_corpus(
     target: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    prompts: list[list[int]],
+    prompts: list[str],
     settings: DistillSettings,
     work: Path,
 ) -> list[dict]:
-    """One dict per answer: prompt ids, answer ids, the target's top-k ids and log-probs at each
-    answer position. Written in shards of one generation batch, so a restart keeps what is done:
+    """One dict per answer: prompt text and ids, answer ids, the target's top-k ids and log-probs at
+    each answer position. Written in shards of one generation batch, so a restart keeps what is done:
     first the answers to `prompts`, then the synthetic prompts' (greedy and sampled batches in turn)."""
     pad = padding_id(tokenizer)
     eos = eos_token_ids(target, tokenizer)
@@ -140,15 +146,17 @@ def build_corpus(
                 torch.manual_seed(settings.seed * 1_000_003 + shard)  # deterministic, also on resume
                 if shard < len(groups):
                     group = groups[shard]
-                    answers = answer_batch(
-                        target, [prompts[j.prompt_index] for j in group], group[0].greedy, pad, eos, settings
-                    )
+                    texts = [prompts[j.prompt_index] for j in group]
+                    greedy = group[0].greedy
                 else:
-                    answers = answer_batch(
-                        target, synthetic_prompts(target, tokenizer, size, pad, eos), shard % 2 == 0, pad, eos, settings
-                    )
-                    for answer in answers:
-                        answer["synthetic"] = True  # never held out: evaluation stays on the given prompts
+                    texts = synthetic_prompts(target, tokenizer, size, pad, eos)
+                    greedy = shard % 2 == 0
+                ids = [encode_prompt(tokenizer, text) for text in texts]
+                answers = answer_batch(target, ids, greedy, pad, eos, settings)
+                for text, answer in zip(texts, answers):
+                    answer["prompt_text"] = text
+                    # never held out: evaluation stays on the given prompts
+                    answer["synthetic"] = shard >= len(groups)
                 save_whole(answers, path)
                 bar.update(task, advance=size)
             corpus += torch.load(path)
@@ -157,7 +165,7 @@ def build_corpus(
 
 def synthetic_prompts(
     target: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, count: int, pad: int, eos: set[int]
-) -> list[list[int]]:
+) -> list[str]:
     """`count` user prompts the target writes itself at temperature 1, started from the chat
     template's text before the user's message (from the first token, where there is no template)."""
     if tokenizer.chat_template:
@@ -177,13 +185,13 @@ def synthetic_prompts(
         max_new_tokens=PROMPT_TOKENS,
         pad_token_id=pad,
     )
-    prompts = []
+    texts = []
     for row in out[:, len(start) :].tolist():
         ends = [i for i, t in enumerate(row) if t in eos]
         text = tokenizer.decode(row[: ends[0]] if ends else row, skip_special_tokens=True).strip()
         if text:
-            prompts.append(encode_prompt(tokenizer, text))
-    return prompts or [start]  # never an empty batch: a prompt that is only the template's start will do
+            texts.append(text)
+    return texts or ["Hello."]  # never an empty batch
 
 
 def answer_batch(
@@ -223,6 +231,80 @@ def answer_batch(
             }
         )
     return answers
+
+
+def write_answers(corpus: list[dict], tokenizer: PreTrainedTokenizerBase, path: Path) -> None:
+    """The corpus as JSON lines of {"prompt", "answer", "greedy", "synthetic"}: what `--answers` reads
+    (a few MB where the corpus with its labels and states takes GBs)."""
+    partial = path.with_suffix(".partial")
+    with gzip.open(partial, "wt", encoding="utf-8") as file:
+        for a in corpus:
+            record = {"prompt": a["prompt_text"], "answer": tokenizer.decode(a["answer"])}
+            file.write(json.dumps(record | {"greedy": a["greedy"], "synthetic": a["synthetic"]}) + "\n")
+    partial.replace(path)
+
+
+def read_answers(path: Path, tokenizer: PreTrainedTokenizerBase, answer_tokens: int) -> list[dict]:
+    """Answers from JSON lines (gzipped where the name ends in .gz) of {"prompt": user text, "answer":
+    text, "greedy": whether it is the target's greedy answer (default false), "synthetic": never hold
+    it out (default false)}; answers are cut at `answer_tokens`."""
+    answers = []
+    try:
+        with (gzip.open if path.suffix == ".gz" else open)(path, "rt", encoding="utf-8") as file:
+            for number, line in enumerate(file, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                    text, answer = record["prompt"], record["answer"]
+                    ids = tokenizer.encode(answer, add_special_tokens=False)[:answer_tokens]
+                    if not (isinstance(text, str) and text.strip() and ids):
+                        raise ValueError("an empty prompt or answer")
+                except (ValueError, KeyError, TypeError) as exc:
+                    expected = '{"prompt": "...", "answer": "..."}'
+                    raise SpecdecError(f"{path}, line {number}: expected {expected} ({exc})") from None
+                answers.append(
+                    {
+                        "prompt_text": text,
+                        "prompt": encode_prompt(tokenizer, text),
+                        "answer": ids,
+                        "greedy": bool(record.get("greedy", False)),
+                        "synthetic": bool(record.get("synthetic", False)),
+                    }
+                )
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
+        raise SpecdecError(f"cannot read {path}: {exc}") from None
+    if not answers:
+        raise SpecdecError(f"{path} holds no answers")
+    return answers
+
+
+@torch.inference_mode()
+def label_answers(target: PreTrainedModel, answers: list[dict], pad: int, top_k: int, work: Path) -> list[dict]:
+    """Adds the target's top-k at every answer position, from one forward pass over prompt and answer
+    (teacher forcing: the distribution generation would have kept), in shards a restart keeps."""
+    labelled: list[dict] = []
+    starts = range(0, len(answers), LABEL_SHARD)
+    paths = [work / f"labels-{shard:05d}.pt" for shard in range(len(starts))]
+    with display.progress() as bar:
+        resumed = sum(len(answers[start : start + LABEL_SHARD]) for start, path in zip(starts, paths) if path.is_file())
+        task = bar.add_task("Target labels the answers", total=len(answers), completed=resumed)
+        for start, path in zip(starts, paths):
+            if not path.is_file():
+                shard = answers[start : start + LABEL_SHARD]
+                for first in range(0, len(shard), 8):
+                    group = shard[first : first + 8]
+                    ids, mask = pad_right([a["prompt"] + a["answer"] for a in group], pad)
+                    logits = target(input_ids=ids.to(target.device), attention_mask=mask.to(target.device)).logits
+                    for row, a in enumerate(group):
+                        # the last prompt token's logits predict the first answer token
+                        at = slice(len(a["prompt"]) - 1, len(a["prompt"]) - 1 + len(a["answer"]))
+                        top = logits[row, at].float().log_softmax(-1).topk(top_k, dim=-1)
+                        a["top_ids"], a["top_logp"] = top.indices.int().cpu(), top.values.half().cpu()
+                    bar.update(task, advance=len(group))
+                save_whole(shard, path)
+            labelled += torch.load(path)
+    return labelled
 
 
 def choose_vocabulary(corpus: list[dict], vocab_size: int, size: int, eos: set[int]) -> torch.Tensor:
@@ -431,7 +513,7 @@ def train(
     taps = read_layers(settings, target)
     add_target_features(target, corpus, pad, work, taps)
     torch.manual_seed(settings.seed)
-    num_prompts = len({tuple(a["prompt"]) for a in corpus if not a.get("synthetic")})
+    num_prompts = len({tuple(a["prompt"]) for a in corpus if not a["synthetic"]})
     heldout_prompts = {tuple(a["prompt"]) for a in corpus[: max(1, round(num_prompts * settings.heldout_prompts))]}
     heldout = [a for a in corpus if tuple(a["prompt"]) in heldout_prompts]
     training = [a for a in corpus if tuple(a["prompt"]) not in heldout_prompts]
@@ -555,8 +637,11 @@ def save(
         save_draft(draft, tokenizer, out, info)
 
 
-def distill(cfg: Config, prompts: list[str], settings: DistillSettings, out: Path, keep_work: bool) -> None:
-    """The whole command: corpus, training, the saved draft and its record."""
+def distill(
+    cfg: Config, prompts: list[str], settings: DistillSettings, out: Path, keep_work: bool, answers: Path | None = None
+) -> None:
+    """The whole command: corpus (written by the target, or `answers` it labels), training, the saved
+    draft and its record."""
     if cfg.runtime.threads:
         torch.set_num_threads(cfg.runtime.threads)
     device = resolve_device(cfg.runtime.device)
@@ -573,7 +658,17 @@ def distill(cfg: Config, prompts: list[str], settings: DistillSettings, out: Pat
     starting_layers(target.config, settings.num_layers, settings.init_layers)
     work = out / WORK  # corpus and training state: what a resumed run continues from
     work.mkdir(parents=True, exist_ok=True)
-    corpus = build_corpus(target, tokenizer, [encode_prompt(tokenizer, t) for t in prompts], settings, work)
+    if answers:
+        corpus = label_answers(
+            target,
+            read_answers(answers, tokenizer, settings.answer_tokens),
+            padding_id(tokenizer),
+            settings.top_k,
+            work,
+        )
+    else:
+        corpus = build_corpus(target, tokenizer, prompts, settings, work)
+        write_answers(corpus, tokenizer, out / ANSWERS)
     draft, log = train(target, tokenizer, corpus, settings, work)
     save(draft, target, tokenizer, out, cfg.target.describe(), log, settings)
     if not keep_work:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import shutil
@@ -22,10 +23,24 @@ from specdec_cli import verify
 from specdec_cli.cli import app
 from specdec_cli.config import load_config
 from specdec_cli.decoding.params import SamplingParams
-from specdec_cli.distill import Batch, add_target_features, draft_log_probs, sequence_length, target_states
+from specdec_cli.distill import (
+    ANSWERS,
+    Batch,
+    DistillSettings,
+    add_target_features,
+    build_corpus,
+    draft_log_probs,
+    label_answers,
+    read_answers,
+    sequence_length,
+    target_states,
+    write_answers,
+)
 from specdec_cli.errors import EXIT_BAD_INPUT
+from specdec_cli.models.checkpoints import load_model
 from specdec_cli.models.feature_draft import DRAFT_INFO, feature_inputs, init_draft, read_target
 from specdec_cli.models.pair import load_pair
+from specdec_cli.models.tokens import padding_id
 from specdec_cli.options import EXIT_INTERRUPTED, configure
 
 runner = CliRunner()
@@ -116,6 +131,76 @@ def test_corpus_and_saved_folder(distilled):
     assert distilled.record["corpus_answers"] == len(PROMPTS) * 5 + 8
     # only the draft's own layer and projection are stored; the embedding and head are the target's
     assert (distilled.out / "model.safetensors").stat().st_size < 200_000
+
+
+def test_a_draft_trains_on_a_saved_corpus(distilled, tmp_path):
+    """The corpus is saved beside the draft as text; `--answers` trains on it without writing one."""
+    with gzip.open(distilled.out / ANSWERS, "rt") as file:
+        saved = [json.loads(line) for line in file]
+    assert len(saved) == distilled.record["corpus_answers"]
+    # the given prompts answered greedily, and the one batch of synthetic prompts (greedy batches first)
+    assert sum(a["greedy"] for a in saved) == len(PROMPTS) + 8 and sum(a["synthetic"] for a in saved) == 8
+    out = tmp_path / "again"
+    args = ["distill", "-c", str(distilled.target_config), "--out", str(out), "--vocab", "96", "--steps", "2"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECDEC_RUNS_DIR", str(tmp_path / "runs"))
+        result = runner.invoke(app, [*args, "--answers", str(distilled.out / ANSWERS), "--answer-tokens", "32"])
+    assert result.exit_code == 0, result.output
+    [record] = (tmp_path / "runs").glob("*-distill-*/record.json")
+    record = json.loads(record.read_text())
+    assert record["corpus_answers"] == len(saved)
+    assert not (out / ANSWERS).exists()  # the corpus stays where it came from
+
+
+def test_answers_are_labelled_as_the_target_wrote_them(write_config, tmp_path):
+    """One forward pass over prompt and answer gives the distribution the target sampled from; answers
+    read back from text get the target's labels of the tokens they encode to."""
+    cfg = load_config(write_config({"target": TARGET}))
+    target, tokenizer = load_model(cfg.target, torch.device("cpu"), torch.float32)
+    settings = DistillSettings(answers_per_prompt=1, synthetic_prompts=4, answer_tokens=16)
+    torch.manual_seed(0)
+    written = build_corpus(target, tokenizer, PROMPTS[:4], settings, tmp_path)
+    unlabelled = [{k: v for k, v in a.items() if not k.startswith("top_")} for a in written]
+    relabelled = label_answers(target, unlabelled, padding_id(tokenizer), settings.top_k, tmp_path)
+    assert len(relabelled) == len(written) == 4 * 2 + 4
+    for kept, again in zip(written, relabelled):
+        assert torch.equal(kept["top_ids"][:, 0], again["top_ids"][:, 0])
+        torch.testing.assert_close(
+            kept["top_logp"].float(), again["top_logp"].float(), atol=2e-3, rtol=2e-3
+        )  # one half ulp
+        if kept["greedy"]:
+            assert kept["answer"] == again["top_ids"][:, 0].tolist()
+    # text: a random model's bytes are seldom valid UTF-8, so write answers that are
+    readable = [
+        dict(a, answer=tokenizer.encode(f"Answer {i}.</s>", add_special_tokens=False)) for i, a in enumerate(written)
+    ]
+    write_answers(readable, tokenizer, tmp_path / ANSWERS)
+    answers = read_answers(tmp_path / ANSWERS, tokenizer, settings.answer_tokens)
+    for mine, read in zip(readable, answers, strict=True):
+        for key in ("prompt_text", "prompt", "answer", "greedy", "synthetic"):
+            assert mine[key] == read[key]
+    (tmp_path / "again").mkdir()  # a work folder of its own: the first one holds the labels above
+    labels = label_answers(target, answers, padding_id(tokenizer), settings.top_k, tmp_path / "again")
+    assert [len(a["top_ids"]) for a in labels] == [len(a["answer"]) for a in readable]
+
+
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        (['{"prompt": "Hi", "answer": "Hello"}', "not json"], "line 2: expected"),
+        (['{"prompt": "Hi"}'], "line 1: expected"),
+        (['{"prompt": " ", "answer": "Hello"}'], "empty prompt or answer"),
+        ([""], "holds no answers"),
+    ],
+)
+def test_bad_answer_files_are_refused(distilled, tmp_path, lines, message):
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text("\n".join(lines))
+    args = ["distill", "-c", str(distilled.target_config), "--out", str(tmp_path / "d"), "--answers", str(answers)]
+    refused = runner.invoke(app, args)
+    assert refused.exit_code == EXIT_BAD_INPUT and message in refused.output, refused.output
+    both = runner.invoke(app, [*args, "--prompts", str(answers)])
+    assert both.exit_code == EXIT_BAD_INPUT and "exclude each other" in both.output
 
 
 def generate_json(*args: str) -> dict:
