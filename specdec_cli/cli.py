@@ -395,7 +395,7 @@ def distill(
     cfg = configure(config, sampling__seed=seed, runtime__device=device, runtime__dtype=dtype, runtime__threads=threads)
     if prompts and answers:
         raise SpecdecError("--prompts and --answers exclude each other: the target answers prompts, or labels answers")
-    texts = [p.turns[0] for p in (load_prompts(prompts) if prompts else training_prompts())]
+    texts = [] if answers else [p.turns[0] for p in (load_prompts(prompts) if prompts else training_prompts())]
     from specdec_cli import distill as distillation  # torch/transformers load only once arguments are fine
 
     settings = distillation.DistillSettings(

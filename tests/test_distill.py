@@ -165,12 +165,11 @@ def test_answers_are_labelled_as_the_target_wrote_them(write_config, tmp_path):
     assert len(relabelled) == len(written) == 4 * 2 + 4
     for kept, again in zip(written, relabelled):
         assert torch.equal(kept["top_ids"][:, 0], again["top_ids"][:, 0])
-        torch.testing.assert_close(
-            kept["top_logp"].float(), again["top_logp"].float(), atol=2e-3, rtol=2e-3
-        )  # one half ulp
+        # stored in half precision: equal within one of its steps
+        torch.testing.assert_close(kept["top_logp"].float(), again["top_logp"].float(), atol=2e-3, rtol=2e-3)
         if kept["greedy"]:
             assert kept["answer"] == again["top_ids"][:, 0].tolist()
-    # text: a random model's bytes are seldom valid UTF-8, so write answers that are
+    # the text round trip, on valid UTF-8 answers (a random model's bytes seldom are)
     readable = [
         dict(a, answer=tokenizer.encode(f"Answer {i}.</s>", add_special_tokens=False)) for i, a in enumerate(written)
     ]
