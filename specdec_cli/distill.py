@@ -8,7 +8,8 @@
    writes, the target's own next-token distribution at every answer position is kept (its top-k);
    one more pass keeps the hidden states the draft reads, so training never runs the target again.
    The corpus is saved as text beside the draft; given answers (that file, or any conversations),
-   the target labels them in one forward pass each instead of writing its own.
+   the target labels them instead of writing its own, in one forward pass each that also keeps the
+   hidden states.
 2. Draft (models/feature_draft.py): a feature draft of a few decoder layers initialised from chosen
    (default: evenly spaced) target layers, reading chosen target hidden states (default: EAGLE-3's
    three, fused); the target's embedding, and the target's head
@@ -60,9 +61,9 @@ from specdec_cli.models.tokens import encode_prompt, eos_token_ids, padding_id
 
 WORK = "distill-work"  # subfolder of the output: corpus and training state until training ends
 STATE = "train-state.pt"  # (train-state-eagle3.pt for an EAGLE-3 draft)
-FEATURES = "target-features-{}.pt"
+FEATURES = "target-features-{}-{:05d}.pt"  # the target states a draft reads: layers, shard
 ANSWERS = "corpus.jsonl.gz"  # the corpus as text, saved beside the draft: `--answers` labels it again
-LABEL_SHARD = 256  # answers per shard of labels (a restart keeps the finished shards)
+SHARD = 256  # answers per shard of labels and of target states (a restart keeps the finished shards)
 GENERATION_BATCH = 32  # sampling many answers at once is far faster than one by one
 PROMPT_TOKENS = 64  # most tokens of a prompt the target writes
 FORMATS = ("specdec", "eagle3")  # the draft specdec trains, or EAGLE-3's (models/eagle3_draft.py)
@@ -280,28 +281,40 @@ def read_answers(path: Path, tokenizer: PreTrainedTokenizerBase, answer_tokens: 
 
 
 @torch.inference_mode()
-def label_answers(target: PreTrainedModel, answers: list[dict], pad: int, top_k: int, work: Path) -> list[dict]:
+def label_answers(
+    target: PreTrainedModel, answers: list[dict], pad: int, top_k: int, work: Path, layers: tuple[int, ...]
+) -> list[dict]:
     """Adds the target's top-k at every answer position, from one forward pass over prompt and answer
-    (teacher forcing: the distribution generation would have kept), in shards a restart keeps."""
+    (teacher forcing: the distribution generation would have kept), in shards a restart keeps. The
+    same pass gives the target states `layers` the draft reads, kept as `add_target_features` keeps
+    them, so training does not run the target over the answers again."""
     labelled: list[dict] = []
-    starts = range(0, len(answers), LABEL_SHARD)
+    starts = range(0, len(answers), SHARD)
     paths = [work / f"labels-{shard:05d}.pt" for shard in range(len(starts))]
     with display.progress() as bar:
-        resumed = sum(len(answers[start : start + LABEL_SHARD]) for start, path in zip(starts, paths) if path.is_file())
+        resumed = sum(len(answers[start : start + SHARD]) for start, path in zip(starts, paths) if path.is_file())
         task = bar.add_task("Target labels the answers", total=len(answers), completed=resumed)
-        for start, path in zip(starts, paths):
+        for number, (start, path) in enumerate(zip(starts, paths)):
             if not path.is_file():
-                shard = answers[start : start + LABEL_SHARD]
+                shard = answers[start : start + SHARD]
+                states = []
                 for first in range(0, len(shard), 8):
                     group = shard[first : first + 8]
                     ids, mask = pad_right([a["prompt"] + a["answer"] for a in group], pad)
-                    logits = target(input_ids=ids.to(target.device), attention_mask=mask.to(target.device)).logits
+                    out = target(
+                        input_ids=ids.to(target.device),
+                        attention_mask=mask.to(target.device),
+                        output_hidden_states=True,
+                    )
+                    taps = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
                     for row, a in enumerate(group):
                         # the last prompt token's logits predict the first answer token
                         at = slice(len(a["prompt"]) - 1, len(a["prompt"]) - 1 + len(a["answer"]))
-                        top = logits[row, at].float().log_softmax(-1).topk(top_k, dim=-1)
+                        top = out.logits[row, at].float().log_softmax(-1).topk(top_k, dim=-1)
                         a["top_ids"], a["top_logp"] = top.indices.int().cpu(), top.values.half().cpu()
+                        states.append(taps[row, : sequence_length(a)].cpu())
                     bar.update(task, advance=len(group))
+                save_whole(states, work / FEATURES.format(tap_names(layers), number))
                 save_whole(shard, path)
             labelled += torch.load(path)
     return labelled
@@ -346,18 +359,26 @@ def add_target_features(
     target: PreTrainedModel, corpus: list[dict], pad: int, work: Path, layers: tuple[int, ...]
 ) -> None:
     """The target's hidden states `layers` at every token but the last of each answer's sequence,
-    which the draft reads beside the next token (kept in the work folder, one file per choice of
-    layers, so a restart or a retrain reading the same layers skips this pass). The corpus grows
-    at its end (more synthetic prompts): kept states are reused as long as they fit their answers'
-    lengths, and only the answers after them are run."""
-    path = work / FEATURES.format("_".join(map(str, layers)))
-    features = torch.load(path) if path.is_file() else []
-    kept = next((i for i, (a, f) in enumerate(zip(corpus, features)) if len(f) != sequence_length(a)), len(features))
-    if kept < len(corpus):
-        features = features[:kept] + target_states(target, corpus[kept:], pad, layers)
-        save_whole(features, path)
-    for answer, state in zip(corpus, features):
-        answer["features"] = state
+    which the draft reads beside the next token. Kept in the work folder in shards of `SHARD` answers,
+    one set per choice of layers, so a restart or a retrain reading the same layers skips this pass; a
+    kept shard is reused while its states fit its answers' lengths (the corpus grows at its end when
+    there are more synthetic prompts: only the shards that changed are run)."""
+    with display.progress() as bar:
+        task = bar.add_task("Target hidden states", total=len(corpus))
+        for number, start in enumerate(range(0, len(corpus), SHARD)):
+            answers = corpus[start : start + SHARD]
+            path = work / FEATURES.format(tap_names(layers), number)
+            states = torch.load(path) if path.is_file() else []
+            if [len(s) for s in states] != [sequence_length(a) for a in answers]:
+                states = target_states(target, answers, pad, layers)
+                save_whole(states, path)
+            for answer, state in zip(answers, states):
+                answer["features"] = state
+            bar.update(task, advance=len(answers))
+
+
+def tap_names(layers: tuple[int, ...]) -> str:
+    return "_".join(map(str, layers))
 
 
 def sequence_length(answer: dict) -> int:
@@ -370,20 +391,17 @@ def target_states(
 ) -> list[torch.Tensor]:
     """Per answer [sequence_length, taps * hidden]: the target's states `layers` at its tokens."""
     states = []
-    with display.progress() as bar:
-        task = bar.add_task("Target hidden states", total=len(answers))
-        for start in range(0, len(answers), 8):
-            seqs = [a["prompt"] + a["answer"][:-1] for a in answers[start : start + 8]]
-            ids, mask = pad_right(seqs, pad)
-            out = target(
-                input_ids=ids.to(target.device),
-                attention_mask=mask.to(target.device),
-                output_hidden_states=True,
-                logits_to_keep=1,
-            )
-            batch = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
-            states += [batch[row, : len(seq)].cpu() for row, seq in enumerate(seqs)]
-            bar.update(task, advance=len(seqs))
+    for start in range(0, len(answers), 8):
+        seqs = [a["prompt"] + a["answer"][:-1] for a in answers[start : start + 8]]
+        ids, mask = pad_right(seqs, pad)
+        out = target(
+            input_ids=ids.to(target.device),
+            attention_mask=mask.to(target.device),
+            output_hidden_states=True,
+            logits_to_keep=1,
+        )
+        batch = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
+        states += [batch[row, : len(seq)].cpu() for row, seq in enumerate(seqs)]
     return states
 
 
@@ -665,6 +683,7 @@ def distill(
             padding_id(tokenizer),
             settings.top_k,
             work,
+            read_layers(settings, target),
         )
     else:
         corpus = build_corpus(target, tokenizer, prompts, settings, work)

@@ -19,7 +19,7 @@ import yaml
 from conftest import DISTILL_PROMPTS as PROMPTS
 from typer.testing import CliRunner
 
-from specdec_cli import verify
+from specdec_cli import distill, verify
 from specdec_cli.cli import app
 from specdec_cli.config import load_config
 from specdec_cli.decoding.params import SamplingParams
@@ -161,8 +161,16 @@ def test_answers_are_labelled_as_the_target_wrote_them(write_config, tmp_path):
     torch.manual_seed(0)
     written = build_corpus(target, tokenizer, PROMPTS[:4], settings, tmp_path)
     unlabelled = [{k: v for k, v in a.items() if not k.startswith("top_")} for a in written]
-    relabelled = label_answers(target, unlabelled, padding_id(tokenizer), settings.top_k, tmp_path)
+    relabelled = label_answers(target, unlabelled, padding_id(tokenizer), settings.top_k, tmp_path, (-1, 1))
     assert len(relabelled) == len(written) == 4 * 2 + 4
+    # the same pass kept the states the draft reads: training finds them and runs no other pass
+    states = target_states(target, written, padding_id(tokenizer), (-1, 1))
+    [shard] = tmp_path.glob("target-features-*.pt")
+    written_at = shard.stat().st_mtime_ns
+    add_target_features(target, relabelled, padding_id(tokenizer), tmp_path, (-1, 1))
+    assert shard.stat().st_mtime_ns == written_at
+    for answer, fresh in zip(relabelled, states, strict=True):
+        torch.testing.assert_close(answer["features"], fresh, atol=1e-5, rtol=1e-5)
     for kept, again in zip(written, relabelled):
         assert torch.equal(kept["top_ids"][:, 0], again["top_ids"][:, 0])
         # stored in half precision: equal within one of its steps
@@ -179,7 +187,7 @@ def test_answers_are_labelled_as_the_target_wrote_them(write_config, tmp_path):
         for key in ("prompt_text", "prompt", "answer", "greedy", "synthetic"):
             assert mine[key] == read[key]
     (tmp_path / "again").mkdir()  # a work folder of its own: the first one holds the labels above
-    labels = label_answers(target, answers, padding_id(tokenizer), settings.top_k, tmp_path / "again")
+    labels = label_answers(target, answers, padding_id(tokenizer), settings.top_k, tmp_path / "again", (-1,))
     assert [len(a["top_ids"]) for a in labels] == [len(a["answer"]) for a in readable]
 
 
@@ -326,9 +334,10 @@ def test_flags_override_the_yaml_only_when_given(write_config):
     assert pair.decoder(SamplingParams()).gamma == 3
 
 
-def test_kept_target_states_extend_with_the_corpus(tiny_target, tmp_path):
+def test_kept_target_states_extend_with_the_corpus(tiny_target, tmp_path, monkeypatch):
     """A retrain with more synthetic prompts keeps the states of the answers it has and runs the
-    target only on the new ones; each answer gets the states of its own tokens."""
+    target only on the shards that changed; each answer gets the states of its own tokens."""
+    monkeypatch.setattr(distill, "SHARD", 2)  # 5 answers: shards of 2, 2 and 1
     torch.manual_seed(0)
     vocab = tiny_target.config.vocab_size
     corpus = [
@@ -337,24 +346,26 @@ def test_kept_target_states_extend_with_the_corpus(tiny_target, tmp_path):
     ]
     fresh = target_states(tiny_target, corpus, 0, (-1,))
     add_target_features(tiny_target, corpus[:3], 0, tmp_path, (-1,))
-    [path] = tmp_path.glob("target-features-*.pt")
-    first = path.stat().st_mtime_ns
+    shards = sorted(tmp_path.glob("target-features-*.pt"))
+    assert len(shards) == 2
+    first = [path.stat().st_mtime_ns for path in shards]
     add_target_features(tiny_target, corpus, 0, tmp_path, (-1,))
-    assert len(torch.load(path)) == 5 and path.stat().st_mtime_ns > first
+    shards = sorted(tmp_path.glob("target-features-*.pt"))
+    assert [len(torch.load(path)) for path in shards] == [2, 2, 1]
+    # the full first shard is kept, the one that grew is run again
+    assert shards[0].stat().st_mtime_ns == first[0] and shards[1].stat().st_mtime_ns > first[1]
     for answer, states in zip(corpus, fresh):
-        assert answer["features"].shape == (len(answer["prompt"]) + len(answer["answer"]) - 1, states.shape[-1])
+        assert answer["features"].shape == (sequence_length(answer), states.shape[-1])
         torch.testing.assert_close(answer["features"], states, atol=1e-5, rtol=1e-5)
-    smaller = [dict(a) for a in corpus[:2]]  # fewer synthetic prompts than the kept file covers
-    add_target_features(tiny_target, smaller, 0, tmp_path, (-1,))
-    torch.testing.assert_close(smaller[1]["features"], fresh[1])
     # kept states are reused, not recomputed: marked ones come back as they were
-    torch.save([torch.zeros_like(f) for f in fresh[:3]], path)
+    torch.save([torch.zeros_like(f) for f in fresh[2:4]], shards[1])
     add_target_features(tiny_target, corpus, 0, tmp_path, (-1,))
-    assert not corpus[2]["features"].any() and corpus[3]["features"].any()
+    assert not corpus[2]["features"].any() and corpus[1]["features"].any() and corpus[4]["features"].any()
     # a corpus whose answers changed (other settings on the same folder) is not given stale states
-    changed = [dict(corpus[0], answer=corpus[0]["answer"] + [1])] + corpus[1:]
+    changed = corpus[:2] + [dict(corpus[2], answer=corpus[2]["answer"] + [1])] + corpus[3:]
     add_target_features(tiny_target, changed, 0, tmp_path, (-1,))
-    assert changed[0]["features"].shape[0] == sequence_length(changed[0]) and changed[1]["features"].any()
+    assert changed[2]["features"].shape[0] == sequence_length(changed[2]) and changed[2]["features"].any()
+    assert changed[3]["features"].any()  # its shard was run again
 
 
 def test_sigterm_keeps_the_training_state_and_the_run_resumes(tmp_path):
