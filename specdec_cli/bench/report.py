@@ -275,7 +275,8 @@ def _value(x) -> float | None:
 def rich_table(report: Report) -> Table:
     table = Table(title=report.title, caption=report.caption or None, caption_justify="left")
     for i, name in enumerate(report.header):
-        table.add_column(name, justify="left" if i == 0 else "right", overflow="fold")
+        # row names (categories such as math_reasoning) stay whole; the numbers' columns give way
+        table.add_column(name, justify="left" if i == 0 else "right", overflow="fold", no_wrap=i == 0)
     for row in report.rows:
         table.add_row(*row, style="bold" if row[0] == OVERALL else None)
     return table
