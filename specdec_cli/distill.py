@@ -314,7 +314,7 @@ def label_answers(
                         a["top_ids"], a["top_logp"] = top.indices.int().cpu(), top.values.half().cpu()
                         states.append(taps[row, : sequence_length(a)].cpu())
                     bar.update(task, advance=len(group))
-                save_whole(states, work / FEATURES.format(tap_names(layers), number))
+                save_whole(states, states_path(work, layers, number))
                 save_whole(shard, path)
             labelled += torch.load(path)
     return labelled
@@ -367,7 +367,7 @@ def add_target_features(
         task = bar.add_task("Target hidden states", total=len(corpus))
         for number, start in enumerate(range(0, len(corpus), SHARD)):
             answers = corpus[start : start + SHARD]
-            path = work / FEATURES.format(tap_names(layers), number)
+            path = states_path(work, layers, number)
             states = torch.load(path) if path.is_file() else []
             if [len(s) for s in states] != [sequence_length(a) for a in answers]:
                 states = target_states(target, answers, pad, layers)
@@ -377,8 +377,8 @@ def add_target_features(
             bar.update(task, advance=len(answers))
 
 
-def tap_names(layers: tuple[int, ...]) -> str:
-    return "_".join(map(str, layers))
+def states_path(work: Path, layers: tuple[int, ...], shard: int) -> Path:
+    return work / FEATURES.format("_".join(map(str, layers)), shard)
 
 
 def sequence_length(answer: dict) -> int:

@@ -357,6 +357,10 @@ def test_kept_target_states_extend_with_the_corpus(tiny_target, tmp_path, monkey
     for answer, states in zip(corpus, fresh):
         assert answer["features"].shape == (sequence_length(answer), states.shape[-1])
         torch.testing.assert_close(answer["features"], states, atol=1e-5, rtol=1e-5)
+    smaller = [dict(a) for a in corpus[:3]]  # fewer synthetic prompts than the kept shards cover
+    add_target_features(tiny_target, smaller, 0, tmp_path, (-1,))
+    torch.testing.assert_close(smaller[1]["features"], fresh[1])
+    torch.testing.assert_close(smaller[2]["features"], fresh[2], atol=1e-5, rtol=1e-5)
     # kept states are reused, not recomputed: marked ones come back as they were
     torch.save([torch.zeros_like(f) for f in fresh[2:4]], shards[1])
     add_target_features(tiny_target, corpus, 0, tmp_path, (-1,))
