@@ -289,34 +289,40 @@ def label_answers(
     same pass gives the target states `layers` the draft reads, kept as `add_target_features` keeps
     them, so training does not run the target over the answers again."""
     labelled: list[dict] = []
-    starts = range(0, len(answers), SHARD)
-    paths = [work / f"labels-{shard:05d}.pt" for shard in range(len(starts))]
     with display.progress() as bar:
-        resumed = sum(len(answers[start : start + SHARD]) for start, path in zip(starts, paths) if path.is_file())
-        task = bar.add_task("Target labels the answers", total=len(answers), completed=resumed)
-        for number, (start, path) in enumerate(zip(starts, paths)):
-            if not path.is_file():
-                shard = answers[start : start + SHARD]
-                states = []
-                for first in range(0, len(shard), 8):
-                    group = shard[first : first + 8]
-                    ids, mask = pad_right([a["prompt"] + a["answer"] for a in group], pad)
-                    out = target(
-                        input_ids=ids.to(target.device),
-                        attention_mask=mask.to(target.device),
-                        output_hidden_states=True,
-                    )
-                    taps = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
-                    for row, a in enumerate(group):
-                        # the last prompt token's logits predict the first answer token
-                        at = slice(len(a["prompt"]) - 1, len(a["prompt"]) - 1 + len(a["answer"]))
-                        top = out.logits[row, at].float().log_softmax(-1).topk(top_k, dim=-1)
-                        a["top_ids"], a["top_logp"] = top.indices.int().cpu(), top.values.half().cpu()
-                        states.append(taps[row, : sequence_length(a)].cpu())
-                    bar.update(task, advance=len(group))
-                save_whole(states, states_path(work, layers, number))
-                save_whole(shard, path)
-            labelled += torch.load(path)
+        task = bar.add_task("Target labels the answers", total=len(answers))
+        for number, start in enumerate(range(0, len(answers), SHARD)):
+            shard = answers[start : start + SHARD]
+            path = work / f"labels-{number:05d}.pt"
+            kept = torch.load(path) if path.is_file() else []
+            # a kept shard counts only while it labels these very answers (the file may have grown
+            # or changed since)
+            if [(a["prompt"], a["answer"]) for a in kept] == [(a["prompt"], a["answer"]) for a in shard]:
+                for a, labels in zip(shard, kept):
+                    a["top_ids"], a["top_logp"] = labels["top_ids"], labels["top_logp"]
+                labelled += shard
+                bar.update(task, advance=len(shard))
+                continue
+            states = []
+            for first in range(0, len(shard), 8):
+                group = shard[first : first + 8]
+                ids, mask = pad_right([a["prompt"] + a["answer"] for a in group], pad)
+                out = target(
+                    input_ids=ids.to(target.device),
+                    attention_mask=mask.to(target.device),
+                    output_hidden_states=True,
+                )
+                taps = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
+                for row, a in enumerate(group):
+                    # the last prompt token's logits predict the first answer token
+                    at = slice(len(a["prompt"]) - 1, len(a["prompt"]) - 1 + len(a["answer"]))
+                    top = out.logits[row, at].float().log_softmax(-1).topk(top_k, dim=-1)
+                    a["top_ids"], a["top_logp"] = top.indices.int().cpu(), top.values.half().cpu()
+                    states.append(taps[row, : sequence_length(a)].cpu())
+                bar.update(task, advance=len(group))
+            save_whole(states, states_path(work, layers, number))
+            save_whole(shard, path)
+            labelled += shard
     return labelled
 
 

@@ -186,9 +186,15 @@ def test_answers_are_labelled_as_the_target_wrote_them(write_config, tmp_path):
     for mine, read in zip(readable, answers, strict=True):
         for key in ("prompt_text", "prompt", "answer", "greedy", "synthetic"):
             assert mine[key] == read[key]
-    (tmp_path / "again").mkdir()  # a work folder of its own: the first one holds the labels above
-    labels = label_answers(target, answers, padding_id(tokenizer), settings.top_k, tmp_path / "again", (-1,))
+    # the same work folder holds the labels of other answers: they are not taken for these
+    labels = label_answers(target, answers, padding_id(tokenizer), settings.top_k, tmp_path, (-1,))
     assert [len(a["top_ids"]) for a in labels] == [len(a["answer"]) for a in readable]
+    [kept] = tmp_path.glob("labels-*.pt")
+    labelled_at = kept.stat().st_mtime_ns
+    again = label_answers(target, answers, padding_id(tokenizer), settings.top_k, tmp_path, (-1,))
+    assert kept.stat().st_mtime_ns == labelled_at  # the same answers: the kept shard is reused
+    for first, second in zip(labels, again, strict=True):
+        assert torch.equal(first["top_ids"], second["top_ids"])
 
 
 @pytest.mark.parametrize(
