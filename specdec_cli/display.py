@@ -62,8 +62,9 @@ class TokenStream:
 
 def environment_caption(env: dict) -> str:
     v = env["versions"]
+    matmul = f", decoding matmuls {env['decode_matmul']}" if env.get("decode_matmul") else ""
     return (
-        f"{env['device']} ({env['device_name']}), {env['dtype']}, {env['threads']} threads; "
+        f"{env['device']} ({env['device_name']}), {env['dtype']}, {env['threads']} threads{matmul}; "
         f"torch {v['torch']}, transformers {v['transformers']}"
     )
 

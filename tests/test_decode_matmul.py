@@ -1,4 +1,5 @@
-"""The decoding-shaped matmul gives F.linear's results at every shape it takes over, and leaves the rest."""
+"""The decoding-shaped matmul gives F.linear's results at every shape it takes over, leaves the rest,
+and serves a model's linear layers only where it measured faster."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec_cli.models.decode_matmul import MAX_ROWS, linear, use_decode_matmul
+from specdec_cli.models import decode_matmul
+from specdec_cli.models.decode_matmul import MAX_ROWS, detour, linear, time_products, use_decode_matmul
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (1, 2), (1, 5), (2, 3), (1, MAX_ROWS), (1, MAX_ROWS + 1), (7,)])
@@ -16,25 +18,53 @@ def test_matches_f_linear(shape, with_bias):
     x = torch.randn(*shape, 24, generator=generator)
     weight = torch.randn(40, 24, generator=generator)
     bias = torch.randn(40, generator=generator) if with_bias else None
-    out = linear(x, weight, bias)
+    out = detour(x, weight, bias)
     assert out.shape == (*shape, 40) and out.is_contiguous()
     torch.testing.assert_close(out, F.linear(x, weight, bias))
 
 
-def test_half_precision_is_left_to_f_linear():
+def test_half_precision_and_prefill_are_left_to_f_linear(monkeypatch):
+    monkeypatch.setattr(decode_matmul, "detour_is_faster", True)
     x, weight = torch.randn(1, 3, 8, dtype=torch.bfloat16), torch.randn(5, 8, dtype=torch.bfloat16)
     assert torch.equal(linear(x, weight), F.linear(x, weight))
+    prefill, weight = torch.randn(1, MAX_ROWS + 1, 8), torch.randn(5, 8)
+    assert torch.equal(linear(prefill, weight), F.linear(prefill, weight))
 
 
-def test_a_model_decodes_the_same_through_it(tiny_target):
+def fresh_copy(model: torch.nn.Module) -> torch.nn.Module:
+    copy = type(model)(model.config).eval()
+    copy.load_state_dict(model.state_dict())
+    return copy
+
+
+def rerouted(model: torch.nn.Module) -> list[bool]:
+    return ["forward" in vars(m) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+
+def test_a_model_decodes_the_same_through_it(tiny_target, monkeypatch):
+    monkeypatch.setattr(decode_matmul, "detour_is_faster", True)
     ids = torch.tensor([[3, 1, 4, 1, 5]])
     with torch.no_grad():
         before = tiny_target(input_ids=ids).logits
-        model = type(tiny_target)(tiny_target.config).eval()
-        model.load_state_dict(tiny_target.state_dict())
+        model = fresh_copy(tiny_target)
         use_decode_matmul(model)
-        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-        assert linears and all("forward" in vars(m) for m in linears)  # every one was rerouted
+        assert rerouted(model) and all(rerouted(model))
         # another summation order: equal up to float32 rounding
         torch.testing.assert_close(model(input_ids=ids).logits, before, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(model(input_ids=ids[:, :1]).logits, before[:, :1], atol=1e-4, rtol=1e-4)
+
+
+def test_the_first_model_loaded_decides_by_measurement(tiny_target, monkeypatch):
+    monkeypatch.setattr(decode_matmul, "detour_is_faster", None)
+    weights = [m.weight for m in tiny_target.modules() if isinstance(m, torch.nn.Linear)]
+    seconds = time_products(weights, repeats=1)
+    assert set(seconds) == {"f_linear", "detour"} and all(s > 0 for s in seconds.values())
+    model = fresh_copy(tiny_target)
+    use_decode_matmul(model)
+    assert isinstance(decode_matmul.detour_is_faster, bool)
+    assert all(rerouted(model)) == decode_matmul.detour_is_faster and any(rerouted(model)) == all(rerouted(model))
+    # a model that measured slower through the detour keeps F.linear, and so does the next one loaded
+    monkeypatch.setattr(decode_matmul, "detour_is_faster", False)
+    other = fresh_copy(tiny_target)
+    use_decode_matmul(other)
+    assert not any(rerouted(other))

@@ -1,42 +1,91 @@
-"""Decoding-shaped matrix products on CPU in float32.
+"""Decoding-shaped matrix products on CPU in float32, taken whichever way is faster on this machine.
 
 A decoding forward multiplies every weight matrix W [out, in] by one to a few token rows x [n, in].
-torch's F.linear (x @ W.T) is slow at that shape on CPU in float32: measured on a 2-core EPYC with
-torch 2.13, SmolLM2-135M forwards of 1 / 2 / 3 / 5 tokens took 55-65 / 93-108 / 112-142 / 76-83 ms,
-and 33-38 / 33-45 / 43-48 / 48-55 ms taken as W @ x.T with at least two columns. So for up to
-`MAX_ROWS` rows on CPU in float32 the product is taken as (W @ x.T).T, with a lone row doubled;
-elsewhere (GPUs, half precision, prefill, training batches) F.linear stays. The result differs from
-F.linear's in the last bits only (another summation order), and the target-only baseline goes
-through the same path as speculative decoding, so benchmark ratios compare like with like.
+Which kernel is fastest at that shape depends on the CPU: on 2-core AMD EPYCs with torch 2.13,
+torch's F.linear (x @ W.T) was slow there (SmolLM2-135M forwards of 1 / 2 / 3 / 5 tokens took 55-65 /
+93-108 / 112-142 / 76-83 ms, and 33-38 / 33-45 / 43-48 / 48-55 ms taken as W @ x.T with at least two
+columns), while on a 2-core Intel Xeon with AMX the same W @ x.T detour made 1- and 4-token forwards
+2.0x and 1.4x slower than F.linear (101 against 50 ms, 103 against 72). So the first CPU float32 model
+a process loads times both products over its own weight matrices, and the faster one serves every
+product of up to `MAX_ROWS` rows in that process (the target and its draft alike); elsewhere (GPUs,
+half precision, prefill, training batches) F.linear stays. The results differ in the last bits only
+(another summation order), and the target-only baseline goes through the same path as speculative
+decoding, so benchmark ratios compare like with like.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 MAX_ROWS = 8  # beyond this F.linear was as fast or faster
+TIMED_BYTES = 256 * 2**20  # weights timed: enough to stream from memory, as in a forward
+TIMED_ROWS = (1, 4)  # a target-only decoding step and a verification block of 3 draft tokens
+
+detour_is_faster: bool | None = None  # measured on the first CPU float32 model loaded
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def detour(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) taken as (W @ x.T).T, a lone row doubled (one column would take the
+    matrix-vector kernel)."""
     rows = x.reshape(-1, x.shape[-1])
     count = rows.shape[0]
-    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or count > MAX_ROWS:
-        return F.linear(x, weight, bias)
     if count == 1:
-        rows = torch.cat([rows, rows])  # one column would take the slow matrix-vector kernel
+        rows = torch.cat([rows, rows])
     out = torch.mm(weight, rows.T).T[:count].contiguous().view(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1]
+    decoding = x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and rows <= MAX_ROWS
+    return detour(x, weight, bias) if decoding and detour_is_faster else F.linear(x, weight, bias)
+
+
+def time_products(weights: list[torch.Tensor], repeats: int = 3) -> dict[str, float]:
+    """Seconds to multiply `weights` by 1 and by 4 token rows, F.linear's way and the detour's (best of
+    `repeats`, after one warm-up pass)."""
+    inputs = {w.shape[1]: torch.randn(max(TIMED_ROWS), w.shape[1]) for w in weights}
+
+    def seconds(product, rows: int) -> float:
+        best = math.inf
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for w in weights:
+                product(inputs[w.shape[1]][:rows], w)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    with torch.no_grad():
+        seconds(F.linear, 1)
+        return {
+            name: sum(seconds(product, rows) for rows in TIMED_ROWS)
+            for name, product in (("f_linear", F.linear), ("detour", detour))
+        }
+
+
 def use_decode_matmul(model: torch.nn.Module) -> None:
-    """Route a CPU model's linear layers through `linear` (elsewhere the detour would only cost time)."""
-    if next(model.parameters()).device.type != "cpu":
+    """Route a CPU float32 model's linear layers through the detour where it is the faster product."""
+    global detour_is_faster
+    parameter = next(model.parameters())
+    if parameter.device.type != "cpu" or parameter.dtype != torch.float32:
         return
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if detour_is_faster is None and linears:
+        weights, size = [], 0
+        for module in linears:
+            if size >= TIMED_BYTES:
+                break
+            weights.append(module.weight)
+            size += module.weight.nbytes
+        seconds = time_products(weights)
+        detour_is_faster = seconds["detour"] < seconds["f_linear"]
+    if detour_is_faster:
+        for module in linears:
             module.forward = partial(_linear_forward, module)
 
 

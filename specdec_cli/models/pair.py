@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import platform
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import transformers
@@ -22,6 +23,7 @@ from specdec_cli.drafters.medusa import MedusaDrafter
 from specdec_cli.drafters.model import ModelDrafter
 from specdec_cli.drafters.ngram import NgramDrafter
 from specdec_cli.errors import SpecdecError
+from specdec_cli.models import decode_matmul
 from specdec_cli.models.checkpoints import load_model
 from specdec_cli.models.dflash import DFlashDraft
 from specdec_cli.models.feature_draft import LAST, is_feature_draft, target_layers
@@ -88,11 +90,13 @@ class Pair:
         device = self.device
         return {
             "device": str(device),
-            "device_name": torch.cuda.get_device_name(device)
-            if device.type == "cuda"
-            else platform.processor() or platform.machine(),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
             "dtype": str(self.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(),
+            # which product served the CPU float32 decoding matmuls (decode_matmul.py); None elsewhere
+            "decode_matmul": None
+            if decode_matmul.detour_is_faster is None or device.type != "cpu" or self.dtype != torch.float32
+            else ("W @ x.T" if decode_matmul.detour_is_faster else "x @ W.T"),
             "versions": {
                 "specdec": specdec_cli.__version__,
                 "torch": torch.__version__,
@@ -100,6 +104,17 @@ class Pair:
                 "python": platform.python_version(),
             },
         }
+
+
+def cpu_name() -> str:
+    """The CPU's model name as lscpu shows it (Linux), else what the platform module knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def check_tokenizers(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase) -> None:
