@@ -89,7 +89,7 @@ def execute(
         "batch_runs": batch_runs,
     }
     tables = (
-        [category_report(summary), detail_report(summary)]
+        [category_report(summary, cfg.draft.describe()), detail_report(summary)]
         + ([peer_report(peers, caption)] if peers else [])
         + ([batch_report(batch_summary)] if batch_runs else [])
     )

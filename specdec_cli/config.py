@@ -59,18 +59,29 @@ class NgramSettings:
 
 
 @dataclass
+class LookupSettings(NgramSettings):
+    """Prompt lookup ahead of a draft model. A lookup draft costs nothing but the wider verification,
+    so its blocks may be longer than the model's: `num_draft_tokens` (None: the model's)."""
+
+    num_draft_tokens: int | None = None
+
+
+@dataclass
 class DraftSpec(ModelSpec):
     """A draft model (as a ModelSpec) or an n-gram drafter; a draft model with `lookup` drafts by
     prompt lookup where the context's last n-gram occurred before, and with the model elsewhere."""
 
     ngram: NgramSettings | None = None
-    lookup: NgramSettings | None = None
+    lookup: LookupSettings | None = None
 
     def describe(self) -> str:
         if self.ngram:
             return f"ngram(n={self.ngram.min_n}..{self.ngram.max_n})"
         lookup = self.lookup
-        return super().describe() + (f" after lookup(n={lookup.min_n}..{lookup.max_n})" if lookup else "")
+        if not lookup:
+            return super().describe()
+        length = "" if lookup.num_draft_tokens is None else f", {lookup.num_draft_tokens} tokens"
+        return super().describe() + f" after lookup(n={lookup.min_n}..{lookup.max_n}{length})"
 
 
 @dataclass
@@ -250,3 +261,6 @@ def validate(config: Config) -> None:
             raise SpecdecError(f"{name} sizes need 1 <= min_n <= max_n, got {sizes.min_n}..{sizes.max_n}")
     if config.draft.lookup and config.draft.ngram:
         raise SpecdecError("config: `draft.lookup` goes with a draft model; an `ngram` drafter looks up already")
+    lookup_tokens = config.draft.lookup.num_draft_tokens if config.draft.lookup else None
+    if lookup_tokens is not None and lookup_tokens < 1:
+        raise SpecdecError(f"lookup num_draft_tokens must be >= 1, got {lookup_tokens}")

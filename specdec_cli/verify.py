@@ -421,7 +421,7 @@ def check_token_runs(
     """Checks 2-4 on independent runs of equally many tokens sampled after `prompt_ids` (rows [runs, k]);
     check 4 tests them in windows of gamma + 1 positions, so the first is the first block's."""
     tokens = np.array(runs)
-    vocab, span = pair.target.vocab_size, pair.config.speculation.num_draft_tokens + 1
+    vocab, span = pair.target.vocab_size, pair.decoder(params).gamma + 1  # the longest block's
     advance = stage(f"target references, {label}", span + len(tokens))
     fit = Fit()
     add_draws(fit, pair, prompt_ids, params, np.bincount(tokens[:, 0], minlength=vocab))
@@ -520,7 +520,7 @@ def run_checks(pair: Pair, settings: Settings, stage: Stage = no_progress) -> li
     rows = check_sampler(pair.target.vocab_size, s.params, s.sampler_draws, s.seed, s.significance, stage)
     encoded = [pair.encode(text) for text in s.prompts]
     for ids in encoded:
-        pair.check_fits(ids, max(s.greedy_tokens, BLOCKS * (pair.config.speculation.num_draft_tokens + 1)))
+        pair.check_fits(ids, max(s.greedy_tokens, BLOCKS * (pair.decoder(s.params).gamma + 1)))
     for i, ids in enumerate(encoded):
         rows += check_model(
             pair, ids, f"prompt {i + 1}", s.params, s.samples, s.seed, s.significance, stage, batch_size=s.batch_size

@@ -37,6 +37,7 @@ class Counting:
 
     def __init__(self, drafter):
         self.drafter, self.by_model, self.by_lookup = drafter, 0, 0
+        self.widths = {True: [], False: []}  # block widths by whether the model drafted them
         self.reads_target_states = drafter.reads_target_states
 
     def start(self, *args):
@@ -47,6 +48,7 @@ class Counting:
         if out[0].shape[1]:
             self.by_model += self.drafter.model_drafted
             self.by_lookup += not self.drafter.model_drafted
+            self.widths[self.drafter.model_drafted].append(out[0].shape[1])
         return out
 
     def commit(self, *args):
@@ -66,25 +68,51 @@ def test_greedy_output_is_the_targets(tiny_target, tokenizer, kind):
     assert drafter.by_lookup > 0 and drafter.by_model > 0  # both sides drafted, and followed each other
 
 
-def test_sampled_output_is_the_targets(write_config):
+def lookup_pair(lookup_tokens: int | None, gamma: int):
+    lookup = {"min_n": 2, **({} if lookup_tokens is None else {"num_draft_tokens": lookup_tokens})}
     config = parse_config(
         {
             **TINY_PAIR,
-            "draft": {"tiny": {"seed": 0, "noise": 0.005}, "lookup": {"min_n": 2}},
+            "draft": {"tiny": {"seed": 0, "noise": 0.005}, "lookup": lookup},
+            "speculation": {"num_draft_tokens": gamma},
             "runtime": {"device": "cpu", "dtype": "float32", "threads": 1},
         }
     )
-    pair = load_pair(config)
+    return load_pair(config)
+
+
+@pytest.mark.parametrize("lookup_tokens, gamma", [(None, 3), (6, 2)])
+def test_sampled_output_is_the_targets(lookup_tokens, gamma):
+    pair = lookup_pair(lookup_tokens, gamma)
     assert isinstance(pair.drafter, LookupFirstDrafter)
     ids = pair.encode(PROMPT)
     rows = verify.check_model(pair, ids, "p", SamplingParams(temperature=0.8), 300, seed=0, significance=0.01)
     verify.holm(rows, 0.01)
-    assert [r.what for r in rows if not r.passed] == []
+    assert [r.what for r in rows if r.status == verify.FAIL] == []
+    # checks 3 and 4 cover the longest block, lookup's where it is the longer
+    longest = max(gamma, lookup_tokens or 0)
+    status = {r.check: r.status for r in rows}
+    assert f"3 position {longest + 1}" in status and status[f"4 tokens 1-{longest + 1}"] == verify.PASS
 
 
-def test_lookup_goes_with_a_draft_model_only():
-    with pytest.raises(SpecdecError, match="`draft.lookup` goes with a draft model"):
-        parse_config({**TINY_PAIR, "draft": {"ngram": {}, "lookup": {}}})
+def test_lookup_blocks_draft_their_own_length():
+    """Lookup 6 tokens, the model 2: each side's blocks reach their own length, no further, and the
+    output stays the target's."""
+    pair = lookup_pair(lookup_tokens=6, gamma=2)
+    assert pair.decoder(SamplingParams()).gamma == 6 and pair.decoder(SamplingParams(), num_draft_tokens=8).gamma == 8
+    ids = pair.encode(PROMPT)
+    assert verify.check_greedy(pair, ids, "p", 48, seed=0).status == verify.PASS
+    decoder = pair.decoder(SamplingParams())
+    decoder.drafter = counting = Counting(decoder.drafter)
+    decoder.generate(ids, 48, 0)
+    assert max(counting.widths[True]) == 2 and max(counting.widths[False]) == 6
+
+
+def test_lookup_length_is_checked():
+    with pytest.raises(SpecdecError, match="lookup num_draft_tokens must be >= 1, got 0"):
+        parse_config({**TINY_PAIR, "draft": {"tiny": {"seed": 0}, "lookup": {"num_draft_tokens": 0}}})
+    with pytest.raises(SpecdecError, match="num_draft_tokens"):  # the ngram drafter's length is the decoder's
+        parse_config({**TINY_PAIR, "draft": {"ngram": {"num_draft_tokens": 6}}})
 
 
 @pytest.mark.parametrize("kind", ["model", "feature"])

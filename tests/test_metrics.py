@@ -51,6 +51,8 @@ def test_acceptance_by_position():
     assert acceptance_by_position(STEPS, 4) == [1.0, 0.75, 1 / 3, 1 / 3]
     assert acceptance_by_position(STEPS, 5)[4] is None
     assert acceptance_by_position(TARGET_ONLY, 2) == [None, None]
+    # blocks longer than gamma (prompt lookup ahead of a 2-token draft model) extend the positions
+    assert acceptance_by_position(STEPS, 2) == [1.0, 0.75, 1 / 3, 1 / 3]
 
 
 def test_draft_time_share():

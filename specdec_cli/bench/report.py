@@ -63,9 +63,9 @@ def _mode(row: dict) -> str:
     return f"{temperature_label(row['temperature'])}, γ={row['gamma']}"
 
 
-def category_report(summary: list[dict]) -> Report:
+def category_report(summary: list[dict], draft: str) -> Report:
     """Per category and overall, one row per (category, gamma), greedy and sampled side by side.
-    Medians only; the ranges over repeats are in the overall table."""
+    Medians only; the ranges over repeats are in the overall table. `draft`: what drafted."""
     temperatures = sorted({r["temperature"] for r in summary})
     header = ["category", "γ"]
     for t in temperatures:
@@ -92,6 +92,7 @@ def category_report(summary: list[dict]) -> Report:
                 )
             rows.append(cells)
     caption = (
+        f"Draft: {draft}. γ = tokens drafted per block (with lookup ahead of a model: the model's). "
         f"{SPEEDUP_FORMULA}. acc len = mean accepted length: tokens per target forward, incl. the "
         f"bonus/recovered token (target-only = 1). acc rate = accepted / drafted."
     )

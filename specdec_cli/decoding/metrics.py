@@ -67,14 +67,15 @@ def acceptance_rate(steps: list[StepRecord]) -> float | None:
 
 
 def acceptance_by_position(steps: list[StepRecord], gamma: int) -> list[float | None]:
-    """Acceptance rate of draft positions 1..gamma.
+    """Acceptance rate of draft positions 1..gamma, and beyond where a step drafted more (prompt
+    lookup ahead of a draft model may draft longer blocks than the model's gamma).
 
     Position i counts as accepted in a step when accepted >= i, among the steps that drafted
     at least i tokens; acceptance is a prefix, so this is P(position i kept | it was drafted).
     An entry is None when no step drafted that far.
     """
     rates: list[float | None] = []
-    for i in range(1, gamma + 1):
+    for i in range(1, max([gamma] + [s.drafted for s in steps]) + 1):
         reached = [s for s in steps if s.drafted >= i]
         rates.append(sum(s.accepted >= i for s in reached) / len(reached) if reached else None)
     return rates

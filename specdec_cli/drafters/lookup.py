@@ -3,7 +3,9 @@
 Where the answer copies its context (extraction, summaries, code edits), lookup drafts long runs for
 free that a small model misses; elsewhere it has nothing to say and the model drafts. The model
 reads every verified token either way: after a block it did not draft it `follow`s the context.
-A block is drafted by lookup when it found a continuation in every row, else by the model.
+A block is drafted by lookup when it found a continuation in every row, else by the model. Each
+side drafts up to its own length: a lookup draft costs only the wider verification, a model draft
+also a draft step, so lookup blocks may pay off longer.
 """
 
 from __future__ import annotations
@@ -18,8 +20,16 @@ from specdec_cli.drafters.ngram import NgramDrafter
 
 
 class LookupFirstDrafter:
-    def __init__(self, lookup: NgramDrafter, model: ModelDrafter | FeatureDrafter):
+    def __init__(
+        self,
+        lookup: NgramDrafter,
+        model: ModelDrafter | FeatureDrafter,
+        lookup_tokens: int | None = None,
+        model_tokens: int | None = None,
+    ):
+        """`lookup_tokens`, `model_tokens`: each side's longest block (None: as long as the decoder's)."""
         self.lookup, self.model = lookup, model
+        self.lookup_tokens, self.model_tokens = lookup_tokens, model_tokens
         self.reads_target_states = model.reads_target_states
         self.model_drafted = False  # who drafted the current block
 
@@ -28,9 +38,12 @@ class LookupFirstDrafter:
         self.model.start(prompts, max_tokens, target_states)
 
     def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None) -> Drafts:
-        found = self.lookup.find(gamma)
+        found = self.lookup.find(gamma if self.lookup_tokens is None else min(gamma, self.lookup_tokens))
         self.model_drafted = not all(found)
-        return self.model.propose(gamma, params, generator) if self.model_drafted else self.lookup.drafts(found, params)
+        if self.model_drafted:
+            model_gamma = gamma if self.model_tokens is None else min(gamma, self.model_tokens)
+            return self.model.propose(model_gamma, params, generator)
+        return self.lookup.drafts(found, params)
 
     def commit(self, draft_ids: Rows, num_accepted: list[int], next_tokens: list[int], target_states: States) -> None:
         self.lookup.commit(draft_ids, num_accepted, next_tokens, target_states)

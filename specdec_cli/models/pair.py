@@ -72,7 +72,13 @@ class Pair:
         self, params: SamplingParams, speculative: bool = True, num_draft_tokens: int | None = None
     ) -> SpeculativeDecoder:
         gamma = self.config.speculation.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
-        return SpeculativeDecoder(self.target, self.drafter if speculative else None, params, gamma, self.eos_token_ids)
+        drafter = self.drafter if speculative else None
+        lookup_tokens = self.config.draft.lookup.num_draft_tokens if self.config.draft.lookup else None
+        if isinstance(drafter, LookupFirstDrafter) and lookup_tokens is not None:
+            # lookup's blocks and the model's have lengths of their own; the decoder's is the longer
+            drafter = LookupFirstDrafter(drafter.lookup, drafter.model, lookup_tokens, gamma)
+            gamma = max(gamma, lookup_tokens)
+        return SpeculativeDecoder(self.target, drafter, params, gamma, self.eos_token_ids)
 
     def encode(self, prompt: str, raw: bool = False, history: list[dict] | None = None) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, raw, history)
