@@ -15,6 +15,7 @@ from specdec_cli.decoding.sampling import (
     verify_sampled,
     warp,
 )
+from specdec_cli.drafters.model import draft_token
 
 
 def test_acceptance_matches_the_notes_examples():
@@ -177,3 +178,24 @@ def test_sampling_is_the_float64_exponential_race():
     drawn = sample(probs, torch.Generator().manual_seed(3))
     noise = torch.empty(probs.shape, dtype=torch.float64).exponential_(generator=torch.Generator().manual_seed(3))
     assert torch.equal(drawn, (probs.double() / noise).argmax(dim=-1))
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=3), SamplingParams(1.0, top_p=0.8)],
+)
+def test_a_draft_over_a_vocabulary_subset_draws_from_the_same_q(params):
+    """A draft whose head scores 5 of 12 tokens (the rest -inf) warps and draws over those 5 alone:
+    its q over the whole vocabulary is the full-width warp's, and its draws follow it."""
+    subset = torch.tensor([1, 4, 5, 8, 11])
+    logits = torch.full((2, 12), float("-inf"))
+    logits[:, subset] = torch.tensor([[2.0, 0.5, 1.0, -1.0, 1.5], [0.0, 1.0, 0.2, 0.1, -2.0]])
+    draws = 20000
+    tokens, q = draft_token(logits.repeat(draws, 1), params, torch.Generator().manual_seed(0), subset)
+    assert torch.allclose(q[:2], warp(logits, params), atol=1e-6)
+    for row in range(2):
+        counts = torch.bincount(tokens[row::2], minlength=12)
+        expected = q[row].double() / q[row].double().sum() * draws  # float32 sums miss draws by a little
+        assert counts[expected == 0].sum() == 0  # only tokens of the subset that survive warping
+        kept = expected > 0
+        assert stats.chisquare(counts[kept].numpy(), expected[kept].numpy()).pvalue > 1e-3

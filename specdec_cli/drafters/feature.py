@@ -10,7 +10,7 @@ from specdec_cli.decoding.cache import CachedModel, right_padded
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.drafters.base import NOT_DRAFTED, Drafts, Rows, States
 from specdec_cli.drafters.model import confident, draft_token, stack_drafts
-from specdec_cli.models.feature_draft import feature_inputs, read_target
+from specdec_cli.models.feature_draft import feature_inputs, read_target, vocabulary_subset
 
 
 class FeatureDrafter:
@@ -19,6 +19,7 @@ class FeatureDrafter:
     def __init__(self, model: CachedModel, confidence_threshold: float = 0.0):
         self.model = model
         self.confidence_threshold = confidence_threshold  # see config.Speculation
+        self.subset = vocabulary_subset(model.model)  # sampling draws over it alone
         self.pending: list[list[int]] = []  # per row: context tokens not yet in the draft's cache ...
         self.pending_states: list[torch.Tensor] = []  # ... and the states beside them [n, H]
 
@@ -68,7 +69,7 @@ class FeatureDrafter:
                         hidden=True,
                     )
                     logits, states = out.logits[:, -1], out.hidden[:, -1:]
-                token, q = draft_token(logits, params, generator)
+                token, q = draft_token(logits, params, generator, self.subset)
                 if not confident(logits, q, self.confidence_threshold):
                     if step:  # the last kept draft token was fed: commit() rolls back one fewer
                         self.model.rollback(1)

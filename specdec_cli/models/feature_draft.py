@@ -110,6 +110,12 @@ class SubsetHead(torch.nn.Module):
         return logits
 
 
+def vocabulary_subset(draft: torch.nn.Module) -> torch.Tensor | None:
+    """The token ids the draft's head scores, where that is a strict subset of the vocabulary."""
+    head = next((m for m in draft.modules() if isinstance(m, SubsetHead)), None)
+    return head.token_ids if head is not None and len(head.token_ids) < head.vocab_size else None
+
+
 def borrow_from_target(draft: PreTrainedModel, target: PreTrainedModel, token_ids: torch.Tensor) -> None:
     draft.model.embed_tokens = target.model.embed_tokens
     draft.lm_head = SubsetHead(target.get_output_embeddings().weight, token_ids)
