@@ -128,6 +128,13 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def describe_drafting(self) -> str:
+        """Draft lengths for titles: the model's, where its threshold cuts them, and prompt lookup's."""
+        threshold, lookup = self.speculation.confidence_threshold, self.draft.lookup
+        fewer = f" (fewer below confidence {threshold:g})" if threshold else ""
+        by_lookup = f", {lookup.num_draft_tokens} by prompt lookup" if lookup and lookup.num_draft_tokens else ""
+        return f"{self.speculation.num_draft_tokens} draft tokens{fewer}{by_lookup}"
+
 
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))

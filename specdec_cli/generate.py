@@ -19,11 +19,9 @@ def load(cfg: Config) -> Pair:
     return pair
 
 
-def title(cfg: Config, gamma: int, extra: str = "") -> str:
+def title(cfg: Config, extra: str = "") -> str:
     mode = "greedy" if cfg.sampling.temperature == 0 else "sampled"
-    threshold = cfg.speculation.confidence_threshold
-    fewer = f" (fewer below confidence {threshold:g})" if threshold else ""
-    return f"{cfg.name}: {gamma} draft tokens{fewer}, {mode}{extra}"
+    return f"{cfg.name}: {cfg.describe_drafting()}, {mode}{extra}"
 
 
 def generate_one(cfg: Config, text: str, raw: bool, as_json: bool) -> None:
@@ -62,7 +60,7 @@ def generate_one(cfg: Config, text: str, raw: bool, as_json: bool) -> None:
     if as_json:
         print(records.dumps(record))
     else:
-        display.stderr.print(display.generation_table(stats, record["environment"], title(cfg, decoder.gamma)))
+        display.stderr.print(display.generation_table(stats, record["environment"], title(cfg)))
         display.stderr.print(f"Record: {folder / 'record.json'}")
 
 
@@ -125,9 +123,7 @@ def generate_many(cfg: Config, prompts: list[Prompt], raw: bool, batch_size: int
             display.stdout.print(row["text"], markup=False)
         if overall:
             display.stderr.print(
-                display.batch_table(
-                    rows, overall, record["environment"], title(cfg, decoder.gamma, f", batches of {batch_size}")
-                )
+                display.batch_table(rows, overall, record["environment"], title(cfg, f", batches of {batch_size}"))
             )
     display.stderr.print(f"Record: {folder / 'record.json'}")
     if partial:

@@ -623,11 +623,9 @@ def verify_distribution(
     if as_json:
         print(records.dumps(record))
     else:
-        lookup = cfg.draft.lookup
-        lookup_length = f" ({lookup.num_draft_tokens} by lookup)" if lookup and lookup.num_draft_tokens else ""
         title = (
-            f"{cfg.name}: {describe_params(settings.params)}, {cfg.speculation.num_draft_tokens} draft "
-            f"tokens{lookup_length}, {settings.samples} runs per prompt in batches of {batch_size}, "
+            f"{cfg.name}: {describe_params(settings.params)}, {cfg.describe_drafting()}, "
+            f"{settings.samples} runs per prompt in batches of {batch_size}, "
             f"{settings.sampler_draws} sampler draws per shape, "
             f"significance {significance:g} (Holm over {sum(r.alpha is not None for r in rows)} tests)"
         )

@@ -133,3 +133,15 @@ def test_the_model_follows_blocks_it_did_not_draft(tiny_target, tokenizer, kind)
     fresh.start([context], len(context) + 8, states)
     greedy = SamplingParams()
     assert drafter.model.propose(3, greedy, None)[0].tolist() == fresh.propose(3, greedy, None)[0].tolist()
+
+
+def test_titles_name_each_sides_length():
+    assert parse_config(TINY_PAIR).describe_drafting() == "3 draft tokens"
+    config = parse_config(
+        {
+            **TINY_PAIR,
+            "draft": {"tiny": {"seed": 0}, "lookup": {"num_draft_tokens": 6}},
+            "speculation": {"num_draft_tokens": 2, "confidence_threshold": 0.2},
+        }
+    )
+    assert config.describe_drafting() == "2 draft tokens (fewer below confidence 0.2), 6 by prompt lookup"
