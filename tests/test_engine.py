@@ -10,6 +10,7 @@ from conftest import cached
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from specdec_cli.config import TinyModel
+from specdec_cli.decoding.cache import right_padded
 from specdec_cli.decoding.engine import SpeculativeDecoder
 from specdec_cli.decoding.metrics import acceptance_rate, mean_accepted_length
 from specdec_cli.decoding.params import SamplingParams
@@ -186,3 +187,19 @@ def test_showing_tokens_is_not_decoding_time(tiny_target, tokenizer):
     decoder = SpeculativeDecoder(cached(tiny_target), None, GREEDY, 1, set())
     result = decoder.generate(tokenizer.encode(PROMPT), 16, 0, on_tokens=slow_display)
     assert len(pauses) == 16 and result.decode_seconds < sum(pauses) / 2
+
+
+def test_a_verification_attends_without_copying_keys_and_values_and_gets_the_same_logits(tokenizer):
+    reference = build_tiny(TinyModel(seed=0)).eval()  # transformers' own attention, no cache
+    model = cached(build_tiny(TinyModel(seed=0)).eval())
+    assert reference.config.num_attention_heads > reference.config.num_key_value_heads  # grouped queries
+    assert model.model.config._attn_implementation == "grouped_query_sdpa"
+    rows = [tokenizer.encode("The quick brown fox"), tokenizer.encode("Hello")]
+    model.reset(64, batch=2)
+    model.forward(right_padded(rows, model.device)[0], counts=[len(r) for r in rows])
+    block = [[5, 6, 7, 8], [9, 10, 11, 12]]  # four tokens per row, after contexts of different lengths
+    logits = model.forward(torch.tensor(block)).logits
+    with torch.no_grad():
+        for row, (context, new) in enumerate(zip(rows, block)):
+            expected = reference(torch.tensor([context + new])).logits[0, -len(new) :]
+            torch.testing.assert_close(logits[row], expected, atol=1e-5, rtol=1e-5)

@@ -6,13 +6,35 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from transformers import PreTrainedModel
+from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from specdec_cli.errors import SpecdecError
 
 # layers whose keys and values can be cut back to any earlier length
 ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
+
+
+def grouped_query_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' SDPA attention, except that a multi-token query (a verification) of a
+    grouped-query model attends without copying keys and values per query head: the heads sharing
+    a key/value head are stacked along the query axis instead (transformers does the same for one
+    query token). Our masks are [B, 1, n, keys]; anything else takes transformers' path."""
+    batch, heads, n, dim = query.shape
+    groups = heads // key.shape[1]
+    extra = any(kwargs.get(name) is not None for name in ("position_bias", "softcap", "s_aux", "sinks"))
+    if groups == 1 or n == 1 or attention_mask is None or attention_mask.shape[1] != 1 or extra:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    stacked = query.reshape(batch, key.shape[1], groups * n, dim)  # query head h = kv head h // groups
+    mask = attention_mask[:, :, None].expand(-1, -1, groups, -1, -1).flatten(2, 3)  # [B, 1, groups * n, keys]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        stacked, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling
+    )
+    return out.reshape(batch, heads, n, dim).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("grouped_query_sdpa", grouped_query_sdpa)
 
 
 class Output(NamedTuple):
@@ -98,6 +120,8 @@ class CachedModel:
                 f"state cannot be rolled back to an accepted prefix: speculative decoding needs "
                 f"attention layers only"
             )
+        if config._attn_implementation == "sdpa" and model._supports_attention_backend:
+            model.set_attn_implementation("grouped_query_sdpa")
         self.model = model
         self.vocab_size = vocab_size
         # hidden states handed out on request (indices into transformers' `hidden_states`; -1 is
