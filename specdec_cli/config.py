@@ -61,7 +61,8 @@ class NgramSettings:
 @dataclass
 class LookupSettings(NgramSettings):
     """Prompt lookup ahead of a draft model. A lookup draft costs nothing but the wider verification,
-    so its blocks may be longer than the model's: `num_draft_tokens` (None: the model's)."""
+    so its blocks may be longer than the model's: up to `num_draft_tokens` (None: the model's),
+    starting at the model's length and doubling while lookup blocks are accepted whole."""
 
     num_draft_tokens: int | None = None
 
@@ -132,7 +133,7 @@ class Config:
         """Draft lengths for titles: the model's, where its threshold cuts them, and prompt lookup's."""
         threshold, lookup = self.speculation.confidence_threshold, self.draft.lookup
         fewer = f" (fewer below confidence {threshold:g})" if threshold else ""
-        by_lookup = f", {lookup.num_draft_tokens} by prompt lookup" if lookup and lookup.num_draft_tokens else ""
+        by_lookup = f", up to {lookup.num_draft_tokens} by prompt lookup" if lookup and lookup.num_draft_tokens else ""
         return f"{self.speculation.num_draft_tokens} draft tokens{fewer}{by_lookup}"
 
 
