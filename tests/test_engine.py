@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 from conftest import cached
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
 from specdec_cli.config import TinyModel
 from specdec_cli.decoding.cache import right_padded
@@ -203,3 +203,8 @@ def test_a_verification_attends_without_copying_keys_and_values_and_gets_the_sam
         for row, (context, new) in enumerate(zip(rows, block)):
             expected = reference(torch.tensor([context + new])).logits[0, -len(new) :]
             torch.testing.assert_close(logits[row], expected, atol=1e-5, rtol=1e-5)
+            # transformers' own cached decoding of the same model (its generate()) still gets the masks it needs
+            cache = DynamicCache(config=model.model.config)
+            model.model(torch.tensor([context]), cache=cache)
+            own = model.model(torch.tensor([new]), cache=cache).logits[0]
+            torch.testing.assert_close(own, expected, atol=1e-5, rtol=1e-5)

@@ -9,6 +9,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from specdec_cli.errors import SpecdecError
 
@@ -35,6 +36,8 @@ def grouped_query_sdpa(module, query, key, value, attention_mask, scaling=None, 
 
 
 AttentionInterface.register("grouped_query_sdpa", grouped_query_sdpa)
+# the model, run by transformers itself (generate(), training), gets the masks SDPA would get
+AttentionMaskInterface.register("grouped_query_sdpa", sdpa_mask)
 
 
 class Output(NamedTuple):
