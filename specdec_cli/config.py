@@ -61,8 +61,8 @@ class NgramSettings:
 @dataclass
 class LookupSettings(NgramSettings):
     """Prompt lookup ahead of a draft model. A lookup draft costs nothing but the wider verification,
-    so its blocks may be longer than the model's: up to `num_draft_tokens` (None: the model's),
-    starting at the model's length and doubling while lookup blocks are accepted whole."""
+    so its blocks may be longer than the model's: up to `num_draft_tokens` (None: the model's);
+    sampled, they start at the model's length and double while lookup blocks are accepted whole."""
 
     num_draft_tokens: int | None = None
 
@@ -81,7 +81,7 @@ class DraftSpec(ModelSpec):
         lookup = self.lookup
         if not lookup:
             return super().describe()
-        length = "" if lookup.num_draft_tokens is None else f", {lookup.num_draft_tokens} tokens"
+        length = "" if lookup.num_draft_tokens is None else f", up to {lookup.num_draft_tokens} tokens"
         return super().describe() + f" after lookup(n={lookup.min_n}..{lookup.max_n}{length})"
 
 

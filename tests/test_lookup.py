@@ -96,8 +96,8 @@ def test_sampled_output_is_the_targets(lookup_tokens, gamma):
 
 
 def test_lookup_blocks_draft_their_own_length():
-    """Lookup 6 tokens, the model 2: model blocks reach their own length, no further, and the output
-    stays the target's (how lookup blocks grow to theirs: the test below)."""
+    """Lookup 6 tokens, the model 2: each side's greedy blocks reach their own length, no further,
+    and the output stays the target's."""
     pair = lookup_pair(lookup_tokens=6, gamma=2)
     assert pair.decoder(SamplingParams()).gamma == 6 and pair.decoder(SamplingParams(), num_draft_tokens=8).gamma == 8
     ids = pair.encode(PROMPT)
@@ -105,30 +105,38 @@ def test_lookup_blocks_draft_their_own_length():
     decoder = pair.decoder(SamplingParams())
     decoder.drafter = counting = Counting(decoder.drafter)
     decoder.generate(ids, 48, 0)
-    assert max(counting.widths[True]) == 2 and max(counting.widths[False], default=0) <= 6
+    assert max(counting.widths[True]) == 2 and max(counting.widths[False]) == 6
 
 
-def test_lookup_blocks_start_at_the_models_length_and_double_while_accepted_whole():
-    """Lookup up to 6 tokens, the model 2: lookup blocks of 2, 4, 6, 6 while the context is copied
-    whole, back to 2 after one that is not. The target here is a fixed token stream: it accepts
-    draft tokens while they match the stream and then emits the stream's next token."""
+def lookup_blocks(params: SamplingParams) -> list[tuple[int, int]]:
+    """(width, accepted) of each lookup block, lookup up to 6 tokens and the model 2. The target here
+    is a fixed token stream: it keeps draft tokens while they match the stream, then emits the
+    stream's next token (all the drafter's lengths depend on)."""
     pattern = list(range(100, 110))
     stream = pattern[5:] + pattern * 5
-    stream.insert(17, 200)  # a token the context never had: the 4th lookup block keeps 2 of 6
+    stream.insert(17, 200)  # a token the context never had
     model = ModelDrafter(cached(build_tiny(TinyModel(seed=0, noise=0.005)).eval()))
     drafter = LookupFirstDrafter(NgramDrafter(3, 2, 258, torch.device("cpu")), model, lookup_tokens=6, model_tokens=2)
     drafter.start([pattern * 2 + pattern[:5]], 128, None)
-    done, lookup_blocks = 0, []
+    generator = torch.Generator().manual_seed(0)
+    done, blocks = 0, []
     while done < 40:
-        drafts = drafter.propose(6, SamplingParams(), None)[0][0].tolist()
+        drafts = drafter.propose(6, params, generator)[0][0].tolist()
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == stream[done + accepted]:
             accepted += 1
         if not drafter.model_drafted:
-            lookup_blocks.append((len(drafts), accepted))
+            blocks.append((len(drafts), accepted))
         drafter.commit([drafts], [accepted], [stream[done + accepted]], None)
         done += accepted + 1
-    assert lookup_blocks[:6] == [(2, 2), (4, 4), (6, 6), (6, 2), (2, 2), (4, 4)]
+    return blocks
+
+
+def test_sampled_lookup_blocks_start_at_the_models_length_and_double_while_accepted_whole():
+    # 2, 4, 6, 6 while the stream copies its context, back to 2 after the block that met token 200
+    assert lookup_blocks(SamplingParams(temperature=1.0))[:6] == [(2, 2), (4, 4), (6, 6), (6, 2), (2, 2), (4, 4)]
+    # greedy lookup blocks are drafted at full length from the start
+    assert lookup_blocks(SamplingParams())[:4] == [(6, 6), (6, 6), (6, 3), (6, 6)]
 
 
 def test_lookup_length_is_checked():

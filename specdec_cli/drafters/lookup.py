@@ -5,10 +5,12 @@ free that a small model misses; elsewhere it has nothing to say and the model dr
 reads every verified token either way: after a block it did not draft it `follow`s the context.
 A block is drafted by lookup when it found a continuation in every row, else by the model. Each
 side drafts up to its own length: a lookup draft costs only the wider verification, a model draft
-also a draft step, so lookup blocks may pay off longer. They start at the model's length and double
-after a lookup block is accepted whole (back to the start after one that is not): long blocks are
-drafted while the answer copies its context, short ones elsewhere, as verification width is not
-free (on CPU a 4-token forward costs ~1.4x a 3-token one).
+also a draft step, so lookup blocks may pay off longer. Greedy, a lookup token is kept whenever it
+is the target's argmax, and lookup blocks are drafted at their full length. Sampled, it is kept only
+with the target's probability of it, so lookup blocks start at the model's length and double after
+one is accepted whole (back to the start after one that is not): long blocks while the answer copies
+its context, short ones elsewhere, as verification width is not free (on CPU a 4-token forward
+costs ~1.4x a 3-token one).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class LookupFirstDrafter:
         """`lookup_tokens`, `model_tokens`: each side's longest block (None: as long as the decoder's)."""
         self.lookup, self.model = lookup, model
         self.lookup_tokens, self.model_tokens = lookup_tokens, model_tokens
-        # the first lookup block's length (None: the decoder's, and it never changes)
+        # a sampled run's first lookup block length (None: the decoder's, and it never changes)
         self.shortest = None if lookup_tokens is None else min(lookup_tokens, model_tokens or lookup_tokens)
         self.lookup_length = self.shortest
         self.reads_target_states = model.reads_target_states
@@ -45,7 +47,8 @@ class LookupFirstDrafter:
         self.model.start(prompts, max_tokens, target_states)
 
     def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None) -> Drafts:
-        found = self.lookup.find(gamma if self.lookup_length is None else min(gamma, self.lookup_length))
+        length = self.lookup_tokens if params.greedy else self.lookup_length
+        found = self.lookup.find(gamma if length is None else min(gamma, length))
         self.model_drafted = not all(found)
         if self.model_drafted:
             model_gamma = gamma if self.model_tokens is None else min(gamma, self.model_tokens)
