@@ -3,9 +3,11 @@
 
     python scripts/check_cuda.py            # with specdec installed (pip install -e '.[test]')
 
-It runs the CUDA-marked tests, then generate, verify-distribution and benchmark on the tiny random
-pair and on the default SmolLM2 pair (bfloat16 and CUDA-event timing, the defaults on CUDA; batches
-of 1 and 4), and prints a table of what passed with tokens/s, speedup and acceptance. Exit 0 when all passed.
+It runs the CUDA-marked tests (among them the decode loop of every drafter under
+`torch.cuda.set_sync_debug_mode("error")`, and timing on cuda:1 where there are two GPUs), then
+generate, verify-distribution and benchmark on the tiny random pair and on the default SmolLM2 pair
+(bfloat16 and CUDA-event timing, the defaults on CUDA; batches of 1 and 4), and prints a table of
+what passed with tokens/s, speedup and acceptance. Exit 0 when all passed.
 """
 
 from __future__ import annotations
@@ -59,7 +61,20 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("No CUDA GPU: nothing to check (torch " + torch.__version__ + ")", file=sys.stderr)
         return 2
-    steps = [("CUDA tests", [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests"], None)]
+    tests = [sys.executable, "-m", "pytest", "-q", "-m", "cuda"]
+    steps = [
+        ("CUDA tests", [*tests, "tests"], None),
+        # every drafter, batches of 4, greedy and sampled, under set_sync_debug_mode("error")
+        ("one sync per block (sync debug mode)", [*tests, "tests/test_host_syncs.py"], None),
+    ]
+    if torch.cuda.device_count() > 1:  # timing and placement on a GPU that is not the current one
+        steps.append(
+            (
+                "cuda:1: generate",
+                SPECDEC + ["generate", "-c", "tiny-random", "--device", "cuda:1", "--json", "--prompt", "Hi"],
+                generate_figures,
+            )
+        )
     for config, samples, tokens in (("tiny-random", "300", "64"), ("smollm2-draft", "150", "128")):
         common = ["-c", config, "--device", "cuda", "--json"]
         steps += [

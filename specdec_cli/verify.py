@@ -281,7 +281,7 @@ def check_sampler(
 def next_logits(pair: Pair, context: list[int]) -> torch.Tensor:
     """The target's next-token logits after `context` [V], from one fresh forward over all of it."""
     pair.target.reset(len(context))
-    return pair.target.forward(torch.tensor([context], device=pair.device), last_only=True).logits[0, -1]
+    return pair.target.forward(torch.tensor([context], device=pair.device), logits="last").logits[0, -1]
 
 
 def tie_margin(pair: Pair) -> float:

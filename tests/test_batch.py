@@ -79,7 +79,7 @@ def test_preallocation_is_bounded_by_the_batch(tiny_target, tokenizer):
     target = cached(tiny_target)
     SpeculativeDecoder(target, ModelDrafter(cached(tiny_target)), GREEDY, 4, set()).generate_batch(prompts, 16, 0)
     keys = target.cache.layers[0].keys
-    assert keys.shape[2] == max(map(len, prompts)) + 16 + 4 + 1  # prompt + max_new_tokens + gamma + 1
+    assert keys.shape[2] == max(map(len, prompts)) + 16 + 4 + 1 + 1  # prompt + max_new_tokens + gamma + 1, scratch
     assert keys.shape[0] <= len(prompts)  # rows that stopped have left
 
 
@@ -243,3 +243,54 @@ def test_the_hf_peer_at_batch_sizes_is_plain_batched_generate(write_config):
     # left-padded rows of transformers' generate() answer as each prompt alone does
     assert peer_batch["repeats"][0]["token_ids"] == [r["repeats"][0]["token_ids"] for r in alone]
     assert all(row["peer_tokens_per_second"][0] > 0 for row in record["batch_summary"])
+
+
+@pytest.mark.parametrize("kind", ["noisy", "feature"])
+def test_logits_are_computed_only_where_they_are_read(tiny_target, noisy_draft, tokenizer, kind):
+    """Prompts of unequal length: the prefills read states only, a draft step each row's last input;
+    no forward projects more than the verified block onto the vocabulary."""
+    prompts = [tokenizer.encode(p * 8) for p in PROMPTS]  # 16 to 480 tokens
+    drafter = drafter_of(kind, tiny_target, noisy_draft)
+    taps = target_layers(drafter.model.model) if kind == "feature" else (-1,)
+    projected = []  # rows each head call projects
+    heads = [tiny_target.get_output_embeddings(), drafter.model.model.get_output_embeddings()]
+    hooks = [h.register_forward_hook(lambda m, args, out: projected.append(args[0].shape[:-1].numel())) for h in heads]
+    try:
+        decoder = SpeculativeDecoder(
+            CachedModel(tiny_target, tiny_target.config.vocab_size, taps), drafter, GREEDY, 3, set()
+        )
+        decoder.generate_batch(prompts, 8, 0)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert projected and max(projected) <= len(prompts) * 4, projected
+
+
+def test_padding_is_never_written_past_a_rows_cache(tiny_target):
+    """A row far along (8 of 10 slots held) reads 1 token beside a row that reads 6: the padding of
+    the first row must not land past its end, and its real token must read what it read alone."""
+    target = cached(tiny_target)
+    target.reset(10, batch=2)
+    target.forward(torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12], [5, 0, 0, 0, 0, 0, 0, 0]]), counts=[8, 1])
+    both = target.forward(torch.tensor([[13, 0, 0, 0, 0, 0], [6, 7, 8, 9, 10, 11]]), counts=[1, 6]).logits
+    alone = cached(tiny_target)
+    alone.reset(10)
+    alone.forward(torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]]))
+    assert torch.allclose(both[0, 0], alone.forward(torch.tensor([[13]])).logits[0, 0], atol=1e-5)
+    assert target.lengths == [9, 7]
+
+
+def test_lookup_runs_of_unequal_length_fit_the_draft_cache(tiny_target, noisy_draft, tokenizer):
+    """Lookup blocks that one row accepts whole and another rejects leave the model draft runs of
+    unequal length to read (`follow`); the rows' caches hold the longest prompt + max_new_tokens +
+    gamma + 1 tokens. Here the long-prompt row is 9 tokens in when the other reads a run of 7."""
+    prompts = [tokenizer.encode(PROMPTS[3]), tokenizer.encode(PROMPTS[0])]
+    max_new, gamma = 10, 2
+    drafter = ModelDrafter(cached(noisy_draft))
+    drafter.start(prompts, len(prompts[0]) + max_new + gamma + 1, None)
+    drafter.follow([list(range(70, 77)), [70]], None)  # a lookup block: 6 accepted + the target's token, 0 + 1
+    drafts, _ = drafter.propose(gamma, GREEDY, None)
+    drafter.commit(drafts.tolist(), [0, 0], [80, 80], None)
+    drafter.follow([[81], list(range(90, 96))], None)  # row 0 rejects, row 1 accepts 5 + 1
+    drafts, _ = drafter.propose(gamma, GREEDY, None)
+    assert drafts.shape == (2, gamma)

@@ -4,6 +4,8 @@ generate/verify/benchmark on a GPU machine."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from conftest import cached
@@ -72,3 +74,15 @@ def test_batch_rows_are_their_prompts_alone_on_cuda(tokenizer):
     alone = [decode(target, None, p, SamplingParams(), max_new=24).token_ids for p in prompts]
     decoder = SpeculativeDecoder(cached(target), ModelDrafter(cached(draft)), SamplingParams(), 3, set())
     assert [r.token_ids for r in decoder.generate_batch(prompts, 24, 0)] == alone
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_decode_is_timed_on_the_pairs_gpu(tokenizer):
+    """On cuda:1 while cuda:0 is the current device, the decode time is the decode's, not ~0."""
+    target = build_tiny(TinyModel(seed=0)).to("cuda:1").eval()
+    draft = build_tiny(TinyModel(seed=0, noise=0.005)).to("cuda:1").eval()
+    decoder = SpeculativeDecoder(cached(target), ModelDrafter(cached(draft)), SamplingParams(), 3, set())
+    start = time.perf_counter()
+    result = decoder.generate(tokenizer.encode(PROMPT), 48, 0)
+    wall = time.perf_counter() - start
+    assert 0.3 * wall < result.decode_seconds <= wall

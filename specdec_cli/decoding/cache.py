@@ -11,6 +11,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from specdec_cli.decoding.host import to_device
 from specdec_cli.errors import SpecdecError
 
 # layers whose keys and values can be cut back to any earlier length
@@ -41,25 +42,28 @@ AttentionMaskInterface.register("grouped_query_sdpa", sdpa_mask)
 
 
 class Output(NamedTuple):
-    logits: torch.Tensor  # [B, n, vocab_size] float32 ([B, 1, V] with last_only: each row's last real input)
+    logits: torch.Tensor  # [B, n, vocab_size] float32 ([B, 1, V] for each row's last real input, [B, 0, V] for none)
     hidden: torch.Tensor | None  # [B, n, taps * hidden] the states of `state_layers`, if asked
 
 
 def right_padded(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, list[int]]:
     """Token rows of different lengths as one [B, longest] tensor (padded with 0), and the lengths."""
     width = max(map(len, rows))
-    return torch.tensor([row + [0] * (width - len(row)) for row in rows], device=device), [len(r) for r in rows]
+    return to_device([row + [0] * (width - len(row)) for row in rows], device), [len(r) for r in rows]
 
 
 class RaggedCache(Cache):
-    """Keys and values of B rows in one preallocated tensor per layer, [B, heads, max_tokens, dim],
+    """Keys and values of B rows in one preallocated tensor per layer, [B, heads, max_tokens + 1, dim],
     each row with a length of its own. A forward writes every row's n new entries at that row's
     length; a rollback only lowers lengths (no copy, no device work): stale entries are never
     attended to and are overwritten by the next write. The owner sets `write_positions` [B, n]
-    and `visible` (how many slots the attention reads) before each forward."""
+    and `visible` (how many slots the attention reads) before each forward. Padding inputs (a row
+    with fewer real inputs than the widest) are written to the last slot, `scratch`, which is never
+    visible: written at the row's length they could pass the end of a row that is far along."""
 
     def __init__(self, num_layers: int, max_tokens: int):
         self.max_tokens = max_tokens
+        self.scratch = max_tokens
         self.write_positions: torch.Tensor | None = None
         self.visible = 0
         super().__init__(layers=[RaggedLayer(self) for _ in range(num_layers)])
@@ -75,8 +79,8 @@ class RaggedLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, _ = key_states.shape
-        self.keys = key_states.new_zeros(batch, heads, self.owner.max_tokens, key_states.shape[-1])
-        self.values = value_states.new_zeros(batch, heads, self.owner.max_tokens, value_states.shape[-1])
+        self.keys = key_states.new_zeros(batch, heads, self.owner.scratch + 1, key_states.shape[-1])
+        self.values = value_states.new_zeros(batch, heads, self.owner.scratch + 1, value_states.shape[-1])
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -153,19 +157,30 @@ class CachedModel:
         *,
         inputs_embeds: torch.Tensor | None = None,
         counts: list[int] | None = None,
-        last_only: bool = False,
+        logits: str = "all",
         hidden: bool = False,
     ) -> Output:
         """Append input_ids [B, n] (or their input vectors [B, n, width]) to the rows. `counts`: how
-        many of a row's n inputs are real (default all); the rest, at the end, are padding, written
-        and then forgotten. With `last_only` the logits are each row's at its last real input."""
+        many of a row's n inputs are real (default all); the rest, at the end, are padding, whose
+        keys and values go to the never-visible scratch slot. `logits`: at "all" inputs, at each row's "last" real input, or "none"
+        (a prefill that reads only states: a full vocabulary at every prompt position is large)."""
         n = (input_ids if input_ids is not None else inputs_embeds).shape[1]
         counts = counts or [n] * len(self.lengths)
-        starts = torch.tensor(self.lengths, device=self.device)
-        positions = starts[:, None] + torch.arange(n, device=self.device)  # [B, n]
-        self.cache.write_positions = positions
-        self.cache.visible = max(self.lengths) + n
+        steps = torch.arange(n, device=self.device)
+        positions = to_device(self.lengths, self.device)[:, None] + steps  # [B, n]
         ragged = min(counts) < n
+        self.cache.write_positions = (
+            positions.masked_fill(steps >= to_device(counts, self.device)[:, None], self.cache.scratch)
+            if ragged
+            else positions
+        )
+        self.cache.visible = max(length + count for length, count in zip(self.lengths, counts))
+        if logits == "none":
+            keep = torch.zeros(0, dtype=torch.long, device=self.device)
+        elif logits == "last" and ragged:  # each row's own last real input
+            keep = to_device([[count - 1] for count in counts], self.device)
+        else:
+            keep = 1 if logits == "last" else 0
         out = self.model(
             input_ids=input_ids,
             inputs_embeds=inputs_embeds,
@@ -174,15 +189,11 @@ class CachedModel:
             cache=self.cache,
             use_cache=True,
             output_hidden_states=hidden,
-            logits_to_keep=1 if last_only and not ragged else 0,
+            logits_to_keep=keep,
         )
         self.lengths = [length + count for length, count in zip(self.lengths, counts)]
-        logits = out.logits
-        if last_only and ragged:
-            last = torch.tensor(counts, device=self.device) - 1
-            logits = logits[torch.arange(len(counts), device=self.device), last][:, None]
         states = torch.cat([out.hidden_states[i] for i in self.state_layers], dim=-1) if hidden else None
-        return Output(self.fit_vocabulary(logits.float()), states)
+        return Output(self.fit_vocabulary(out.logits.float()), states)
 
     def mask(self, positions: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
         """[B, 1, n, visible] True where a query may attend to a key: the row's own keys at or below
@@ -211,7 +222,7 @@ class CachedModel:
 
     def keep(self, rows: list[int]) -> None:
         """Keep only these rows (the others finished), in this order."""
-        index = torch.tensor(rows, device=self.device)
+        index = to_device(rows, self.device)
         for layer in self.cache.layers:
             layer.keep(index)
         self.lengths = [self.lengths[r] for r in rows]

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from specdec_cli.decoding.cache import CachedModel, right_padded
+from specdec_cli.decoding.host import to_device, to_host
 from specdec_cli.decoding.metrics import (
     StepRecord,
     acceptance_by_position,
@@ -95,13 +96,14 @@ class Clock:
     so timing a phase adds no host sync to the loop."""
 
     def __init__(self, device: torch.device):
+        self.device = device
         self.cuda = device.type == "cuda"
 
     def mark(self):
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))  # the pair's device, which need not be the current one
         return event
 
     def seconds(self, start, end) -> float:
@@ -165,14 +167,14 @@ class SpeculativeDecoder:
         prompt_states = None
         if max(map(len, prompts)) > 1:
             ids, counts = right_padded([p[:-1] for p in prompts], device)
-            prompt_states = self.target.forward(ids, counts=counts, last_only=True, hidden=wants_states).hidden
+            prompt_states = self.target.forward(ids, counts=counts, logits="none", hidden=wants_states).hidden
         if self.drafter is not None:
             self.drafter.start(prompts, max_tokens, prompt_states)
         decode_start = clock.mark()
         prefill_seconds = clock.seconds(start, decode_start)
 
         active = list(range(len(prompts)))  # rows still decoding, in the caches' order
-        last_token = torch.tensor([p[-1:] for p in prompts], device=device)  # [B, 1]
+        last_token = to_device([p[-1:] for p in prompts], device)  # [B, 1]
         marks: list[BlockMarks] = []
         block_rows: list[int] = []  # rows decoding in each block, which share its time
         row_blocks: list[list[tuple[int, int, int, int]]] = [[] for _ in prompts]  # (block, drafted, accepted, emitted)
@@ -198,7 +200,7 @@ class SpeculativeDecoder:
                     draft_probs = target_probs[:, :0]
                 num_accepted, next_token = verify_sampled(drafts, draft_probs, target_probs, generator)
             # the one host sync of the block: accepted counts, next tokens and the draft ids together
-            host = torch.cat([num_accepted, next_token, drafts.flatten()]).tolist()
+            host = to_host(torch.cat([num_accepted, next_token, drafts.flatten()]))
             batch = len(active)
             accepted, tokens = host[:batch], host[batch : 2 * batch]
             draft_ids = [host[2 * batch + i * width : 2 * batch + (i + 1) * width] for i in range(batch)]
@@ -227,7 +229,9 @@ class SpeculativeDecoder:
                 if self.drafter is not None:
                     self.drafter.keep(staying)
             active = [active[i] for i in staying]
-            last_token = next_token[staying][:, None] if len(staying) < batch else next_token[:, None]
+            last_token = (
+                next_token[to_device(staying, device)][:, None] if len(staying) < batch else next_token[:, None]
+            )
 
         # each row's step carries its share of the block's time, so sums over rows are wall time
         times = [

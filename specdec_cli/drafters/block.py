@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec_cli.decoding.host import to_device
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.drafters.base import Drafts, Rows, States
 from specdec_cli.drafters.model import draft_token
@@ -54,7 +55,7 @@ class BlockDrafter:
         for row, pending in enumerate(self.pending):
             if pending is not None:
                 padded[row, : len(pending)] = pending
-        positions = torch.tensor(self.lengths, device=self.device)[:, None] + torch.arange(width, device=self.device)
+        positions = to_device(self.lengths, self.device)[:, None] + torch.arange(width, device=self.device)
         for (keys, values), (new_keys, new_values) in zip(self.store, self.model.context_kv(padded, positions)):
             for row, (start, count) in enumerate(zip(self.lengths, counts)):  # padding is never written
                 keys[row, :, start : start + count] = new_keys[row, :, :count]
@@ -68,8 +69,8 @@ class BlockDrafter:
         self.store_context()
         size = self.model.block_size
         ids = torch.full((len(self.last), size), self.model.mask_token_id, device=self.device)
-        ids[:, 0] = torch.tensor(self.last, device=self.device)
-        lengths = torch.tensor(self.lengths, device=self.device)
+        ids[:, 0] = to_device(self.last, self.device)
+        lengths = to_device(self.lengths, self.device)
         positions = lengths[:, None] + torch.arange(size, device=self.device)
         seen = max(self.lengths)
         visible = torch.arange(seen, device=self.device) < lengths[:, None]  # [B, seen]: each row its own context
@@ -95,7 +96,7 @@ class BlockDrafter:
             self.last[row] = new[-1]
 
     def keep(self, rows: list[int]) -> None:
-        index = torch.tensor(rows, device=self.device)
+        index = to_device(rows, self.device)
         self.store = [(keys[index], values[index]) for keys, values in self.store]
         self.lengths = [self.lengths[r] for r in rows]
         self.pending = [self.pending[r] for r in rows]

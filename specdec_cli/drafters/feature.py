@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from specdec_cli.decoding.cache import CachedModel, right_padded
+from specdec_cli.decoding.cache import CachedModel, Output, right_padded
+from specdec_cli.decoding.host import to_device
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.drafters.base import NOT_DRAFTED, Drafts, Rows, States
 from specdec_cli.drafters.model import confident, draft_token, stack_drafts
@@ -31,12 +32,12 @@ class FeatureDrafter:
         ]
         if max(map(len, self.pending)) > 1:  # read the prompts now (prefill); their last inputs draft token 1
             self._forward(
-                [p[:-1] for p in self.pending], [s[:-1] if s is not None else None for s in self.pending_states]
+                [p[:-1] for p in self.pending], [s[:-1] if s is not None else None for s in self.pending_states], "none"
             )
             self.pending = [p[-1:] for p in self.pending]
             self.pending_states = [s[-1:] if s is not None else None for s in self.pending_states]
 
-    def _forward(self, rows: list[list[int]], states: list[torch.Tensor | None]):
+    def _forward(self, rows: list[list[int]], states: list[torch.Tensor | None], logits: str) -> Output:
         """Feed each row its tokens beside the target's states (rows of different lengths are padded)."""
         ids, counts = right_padded(rows, self.model.device)
         width = ids.shape[1]
@@ -51,21 +52,21 @@ class FeatureDrafter:
             if state is not None:
                 padded[row, : len(state)] = state
         inputs = feature_inputs(self.model.model, ids, read_target(self.model.model, padded))
-        out = self.model.forward(inputs_embeds=inputs, counts=counts, last_only=True, hidden=True)
-        last = (torch.tensor(counts, device=self.model.device) - 1).clamp_min(0)
-        return out.logits[:, -1], out.hidden[torch.arange(len(rows), device=self.model.device), last][:, None]
+        return self.model.forward(inputs_embeds=inputs, counts=counts, logits=logits, hidden=True)
 
     def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None) -> Drafts:
         # a row after a one-token prompt has no state to read yet: it drafts nothing this block
         rows_without_state = [not p for p in self.pending]  # decided on the host: no device sync
         tokens, probs = [], []
         if not all(rows_without_state):
-            logits, states = self._forward(self.pending, self.pending_states)
+            out = self._forward(self.pending, self.pending_states, "last")
+            last = to_device([max(len(p) - 1, 0) for p in self.pending], self.model.device)  # each row's last input
+            logits, states = out.logits[:, -1], out.hidden[torch.arange(len(last), device=last.device), last][:, None]
             for step in range(gamma):
                 if step:
                     out = self.model.forward(
                         inputs_embeds=feature_inputs(self.model.model, tokens[-1][:, None], states),
-                        last_only=True,
+                        logits="last",
                         hidden=True,
                     )
                     logits, states = out.logits[:, -1], out.hidden[:, -1:]
@@ -77,7 +78,7 @@ class FeatureDrafter:
                 tokens.append(token)
                 probs.append(q)
         drafts, q = stack_drafts(tokens, probs, len(self.pending), self.model.vocab_size, self.model.device)
-        stateless = torch.tensor(rows_without_state, device=self.model.device)
+        stateless = to_device(rows_without_state, self.model.device, torch.bool)
         drafts = drafts.masked_fill(stateless[:, None], NOT_DRAFTED)
         return drafts, None if q is None else q.masked_fill(stateless[:, None, None], 0.0)
 

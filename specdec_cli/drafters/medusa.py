@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec_cli.decoding.host import to_device
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.drafters.base import NOT_DRAFTED, Drafts, Rows, States
 from specdec_cli.drafters.model import draft_token
@@ -29,7 +30,7 @@ class MedusaDrafter:
         if target_states is None:  # one-token prompts only
             self.states = torch.zeros(len(prompts), self.heads.heads[0].in_features, device=self.device)
             return
-        last = torch.tensor([max(len(p) - 2, 0) for p in prompts], device=self.device)
+        last = to_device([max(len(p) - 2, 0) for p in prompts], self.device)
         self.states = target_states[torch.arange(len(prompts), device=self.device), last]
 
     def logits(self, num_heads: int) -> torch.Tensor:
@@ -43,23 +44,23 @@ class MedusaDrafter:
             return empty, None if params.greedy else torch.zeros(batch, 0, self.vocab_size, device=self.device)
         # every position from its own head's q, drawn and tested as it is: no position reads another
         tokens, q = draft_token(self.logits(min(gamma, self.heads.num_heads)), params, generator)
-        stateless = torch.tensor([not s for s in self.has_state], device=self.device)
+        stateless = to_device([not s for s in self.has_state], self.device, torch.bool)
         tokens = tokens.masked_fill(stateless[:, None], NOT_DRAFTED)
         return tokens, None if q is None else q.masked_fill(stateless[:, None, None], 0.0)
 
     def commit(self, draft_ids: Rows, num_accepted: list[int], next_tokens: list[int], target_states: States) -> None:
         # the state at the last accepted input: the target drew next_token there
-        accepted = torch.tensor(num_accepted, device=self.device)
+        accepted = to_device(num_accepted, self.device)
         self.states = target_states[torch.arange(len(num_accepted), device=self.device), accepted]
         self.has_state = [True] * len(num_accepted)
 
     def follow(self, tokens: list[list[int]], target_states: torch.Tensor) -> None:
         """The rows' contexts grew by `tokens` that another drafter drafted; `target_states` [B, >= len, H]
         are the target's at the token before each of them."""
-        last = torch.tensor([len(new) - 1 for new in tokens], device=self.device)
+        last = to_device([len(new) - 1 for new in tokens], self.device)
         self.states = target_states[torch.arange(len(tokens), device=self.device), last]
         self.has_state = [True] * len(tokens)
 
     def keep(self, rows: list[int]) -> None:
-        self.states = self.states[torch.tensor(rows, device=self.device)]
+        self.states = self.states[to_device(rows, self.device)]
         self.has_state = [self.has_state[r] for r in rows]

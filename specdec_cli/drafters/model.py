@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from specdec_cli.decoding.cache import CachedModel, right_padded
+from specdec_cli.decoding.host import to_host
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.decoding.sampling import sample, warp
 from specdec_cli.drafters.base import Drafts, Rows, States
@@ -34,7 +35,7 @@ def confident(logits: torch.Tensor, q: torch.Tensor | None, threshold: float) ->
     if threshold <= 0:
         return True
     probs = logits.float().softmax(-1) if q is None else q
-    return bool((probs.max(-1).values >= threshold).any())
+    return to_host((probs.max(-1).values >= threshold).any())
 
 
 def stack_drafts(
@@ -60,14 +61,14 @@ class ModelDrafter:
         self.model.reset(max_tokens, len(prompts))
         if max(map(len, prompts)) > 1:
             ids, counts = right_padded([p[:-1] for p in prompts], self.model.device)
-            self.model.forward(ids, counts=counts, last_only=True)
+            self.model.forward(ids, counts=counts, logits="none")
         self.pending = [p[-1:] for p in prompts]
 
     def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None) -> Drafts:
         tokens, probs = [], []
         next_input, counts = right_padded(self.pending, self.model.device)
         for step in range(gamma):
-            logits = self.model.forward(next_input, counts=counts, last_only=True).logits[:, -1]
+            logits = self.model.forward(next_input, counts=counts, logits="last").logits[:, -1]
             token, q = draft_token(logits, params, generator)
             if not confident(logits, q, self.confidence_threshold):
                 if step:  # the last kept draft token was fed: commit() expects it unfed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec_cli.decoding.host import to_device
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.drafters.base import NOT_DRAFTED, Drafts, Rows, States
 
@@ -43,9 +44,8 @@ class NgramDrafter:
     def drafts(self, found: list[list[int]], params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft tokens [B, g], -1 where a row found less, and their one-hot q (None when greedy)."""
         width = max(map(len, found), default=0)
-        tokens = torch.tensor(
-            [ids + [NOT_DRAFTED] * (width - len(ids)) for ids in found], dtype=torch.long, device=self.device
-        ).view(len(found), width)
+        tokens = to_device([ids + [NOT_DRAFTED] * (width - len(ids)) for ids in found], self.device)
+        tokens = tokens.view(len(found), width)
         if params.greedy:
             return tokens, None
         drafted = tokens >= 0
