@@ -167,8 +167,8 @@ def test_greedy_output_is_the_targets(kind, tmp_path, write_config):
     WRITERS[kind.split("+")[0]](tmp_path / "draft")
     # gamma 5 > 3 heads / 3 block positions: a block drafts what the draft has, no more
     pair = pair_of(write_config, tmp_path / "draft", gamma=5, lookup="lookup" in kind)
-    drafter = pair.drafter.model if "lookup" in kind else pair.drafter
-    assert isinstance(drafter, MedusaDrafter if kind.startswith("medusa") else BlockDrafter)
+    assert isinstance(pair.drafter, MedusaDrafter if kind.startswith("medusa") else BlockDrafter)
+    assert (pair.lookup is not None) == ("lookup" in kind)
     prompts = [pair.encode(p, raw=True) for p in PROMPTS]
     for ids in prompts:
         assert verify.check_greedy(pair, ids, "p", 24, seed=0).passed

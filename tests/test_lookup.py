@@ -84,7 +84,7 @@ def lookup_pair(lookup_tokens: int | None, gamma: int):
 @pytest.mark.parametrize("lookup_tokens, gamma", [(None, 3), (6, 2)])
 def test_sampled_output_is_the_targets(lookup_tokens, gamma):
     pair = lookup_pair(lookup_tokens, gamma)
-    assert isinstance(pair.drafter, LookupFirstDrafter)
+    assert isinstance(pair.decoder(SamplingParams()).drafter, LookupFirstDrafter)
     ids = pair.encode(PROMPT)
     rows = verify.check_model(pair, ids, "p", SamplingParams(temperature=0.8), 300, seed=0, significance=0.01)
     verify.holm(rows, 0.01)

@@ -32,7 +32,9 @@ def hf_drafting(pair: Pair) -> tuple[str, str | None]:
     drafter = pair.drafter
     if isinstance(drafter, NgramDrafter):
         return HF_LOOKUP, None
-    if isinstance(drafter, ModelDrafter):
+    if pair.lookup is not None:
+        why = "it has no counterpart of specdec's prompt lookup ahead of a draft"
+    elif isinstance(drafter, ModelDrafter):
         # transformers compares the configs' vocab_size and then wants two tokenizers (another algorithm)
         target_rows, draft_rows = (
             m.config.get_text_config().vocab_size for m in (pair.target.model, drafter.model.model)

@@ -162,8 +162,9 @@ class CachedModel:
     ) -> Output:
         """Append input_ids [B, n] (or their input vectors [B, n, width]) to the rows. `counts`: how
         many of a row's n inputs are real (default all); the rest, at the end, are padding, whose
-        keys and values go to the never-visible scratch slot. `logits`: at "all" inputs, at each row's "last" real input, or "none"
-        (a prefill that reads only states: a full vocabulary at every prompt position is large)."""
+        keys and values go to the never-visible scratch slot. `logits`: at "all" inputs, at each row's
+        "last" real input, or "none" (a prefill that reads only states: a full vocabulary at every
+        prompt position is large)."""
         n = (input_ids if input_ids is not None else inputs_embeds).shape[1]
         counts = counts or [n] * len(self.lengths)
         steps = torch.arange(n, device=self.device)

@@ -4,8 +4,8 @@ A drafter drafts for B rows (sequences) at once and sees the same context as the
 Shapes: g <= gamma draft positions, V the target's vocabulary size, H the target's hidden size.
 A draft id of -1 marks a position a row did not draft (prompt lookup found less for it): its q is
 all zeros, so the acceptance test rejects it, and the target's own token takes its place.
-Model drafters also `follow(tokens, target_states)`: the rows' contexts grew by tokens that another
-drafter drafted (drafters/lookup.py). `keep(rows)` drops the rows that finished.
+`keep(rows)` drops the rows that finished. A drafter that can draft after prompt lookup
+(drafters/lookup.py) is a `Follower`: it also reads blocks that lookup drafted.
 """
 
 from __future__ import annotations
@@ -44,3 +44,11 @@ class Drafter(Protocol):
 
     def keep(self, rows: list[int]) -> None:
         """Keep only these rows, in this order (the others finished)."""
+
+
+class Follower(Drafter, Protocol):
+    def follow(self, tokens: Rows, target_states: States) -> None:
+        """The rows' contexts grew by `tokens` in a block another drafter drafted (the accepted drafts
+        and the target's token, per row) instead of a `propose`/`commit` of this one. `target_states`
+        [B, >= len, H]: the target's states at the block's first input and the accepted drafts, i.e.
+        at the token before each of `tokens`."""

@@ -1,9 +1,10 @@
 """A block draft (DFlash, models/dflash.py) as a drafter: one forward drafts a whole block, every
 position from its own q, none conditioned on another's draft.
 
-Per row it keeps the K/V of its verified context (computed from the target's states once per
-token, in a preallocated [B, kv_heads, max_tokens, D] store per layer with a length per row) and
-the context not read yet. The block itself is [last token, MASK, ...] after the context; its K/V
+What it holds, per row, between blocks: the K/V of every context token but the last (computed from
+the target's states once per token, in a preallocated [B, kv_heads, max_tokens, D] store per layer
+with a length per row), except the states in `pending`, not stored yet; `last` is the token the next
+block starts with. The block itself is [last token, MASK, ...] after the context; its K/V
 are never kept, so a rejected draft needs no rollback.
 """
 
@@ -88,8 +89,7 @@ class BlockDrafter:
         self.last = list(next_tokens)
 
     def follow(self, tokens: list[list[int]], target_states: torch.Tensor) -> None:
-        """The rows' contexts grew by `tokens` that another drafter drafted; `target_states` [B, >= len, H]
-        are the target's at the token before each of them (the block's first, then the accepted)."""
+        """The target's states at lookup's block are stored before the next block is drafted."""
         for row, new in enumerate(tokens):
             states, old = target_states[row, : len(new)], self.pending[row]
             self.pending[row] = states if old is None else torch.cat([old, states])

@@ -15,6 +15,12 @@ from specdec_cli.models.feature_draft import feature_inputs, read_target, vocabu
 
 
 class FeatureDrafter:
+    """What it holds, per row, between blocks: its cache has an entry for every context token but
+    the first and `pending` (input j is the target's state at token j beside token j + 1); `pending`
+    has the tokens whose states the target gave it but it has not read. Its drafts were computed from
+    its own states, so `commit` rolls them all back and reads the accepted ones again beside the
+    target's states."""
+
     reads_target_states = True
 
     def __init__(self, model: CachedModel, confidence_threshold: float = 0.0):
@@ -90,8 +96,7 @@ class FeatureDrafter:
         self.pending_states = [target_states[row, : accepted + 1] for row, accepted in enumerate(num_accepted)]
 
     def follow(self, tokens: list[list[int]], target_states: torch.Tensor) -> None:
-        """The rows' contexts grew by `tokens` in a block another drafter drafted; `target_states`
-        [B, >= len, H] are the target's at the token before each of them."""
+        """Lookup's block and the target's states there are read with the next block's first step."""
         for row, new in enumerate(tokens):
             self.pending[row] += new
             state = target_states[row, : len(new)]

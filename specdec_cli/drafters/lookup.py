@@ -18,9 +18,7 @@ from __future__ import annotations
 import torch
 
 from specdec_cli.decoding.params import SamplingParams
-from specdec_cli.drafters.base import Drafts, Rows, States
-from specdec_cli.drafters.feature import FeatureDrafter
-from specdec_cli.drafters.model import ModelDrafter
+from specdec_cli.drafters.base import Drafts, Follower, Rows, States
 from specdec_cli.drafters.ngram import NgramDrafter
 
 
@@ -28,7 +26,7 @@ class LookupFirstDrafter:
     def __init__(
         self,
         lookup: NgramDrafter,
-        model: ModelDrafter | FeatureDrafter,
+        model: Follower,
         lookup_tokens: int | None = None,
         model_tokens: int | None = None,
     ):

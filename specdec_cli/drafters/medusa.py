@@ -1,6 +1,7 @@
 """Medusa heads as a drafter: one pass of the heads over the target's last verified state drafts the
 whole block, head i the block's position i (the token after the target's own next token is head
-0's). A block has at most num_heads drafts; each position is drawn from its own head's q."""
+0's). A block has at most num_heads drafts; each position is drawn from its own head's q. What it
+holds, per row: the target's state at the last verified token, nothing else (no cache to roll back)."""
 
 from __future__ import annotations
 
@@ -55,8 +56,7 @@ class MedusaDrafter:
         self.has_state = [True] * len(num_accepted)
 
     def follow(self, tokens: list[list[int]], target_states: torch.Tensor) -> None:
-        """The rows' contexts grew by `tokens` that another drafter drafted; `target_states` [B, >= len, H]
-        are the target's at the token before each of them."""
+        """Keeps the target's state where it drew the last token of lookup's block."""
         last = to_device([len(new) - 1 for new in tokens], self.device)
         self.states = target_states[torch.arange(len(tokens), device=self.device), last]
         self.has_state = [True] * len(tokens)

@@ -48,7 +48,10 @@ def stack_drafts(
 
 
 class ModelDrafter:
-    """Feeds each context token once: `pending` holds, per row, the tokens the draft has not read yet."""
+    """Feeds each context token once. What it holds, per row, between blocks: its cache has every
+    context token but `pending`, the ones it has not read yet (the target's last token, after a
+    block accepted whole also the last draft; after `follow`, lookup's block). Within a block it
+    feeds its drafts but the last; `commit` rolls back the rejected ones."""
 
     reads_target_states = False
 
@@ -90,7 +93,7 @@ class ModelDrafter:
         ]
 
     def follow(self, tokens: list[list[int]], target_states: torch.Tensor | None) -> None:
-        """The rows' contexts grew by `tokens` in a block another drafter drafted: read them next time."""
+        """Lookup's block is read with the next block's first draft step."""
         for pending, new in zip(self.pending, tokens):
             pending += new
 

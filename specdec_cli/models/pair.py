@@ -59,10 +59,11 @@ class Pair:
     config: Config
     tokenizer: PreTrainedTokenizerBase
     target: CachedModel
-    drafter: Drafter
+    drafter: Drafter  # the draft's own: a model, a feature draft, heads, a block draft, or n-gram lookup
     device: torch.device
     dtype: torch.dtype
     draft_description: str | None = None  # the draft's format and the target states it reads
+    lookup: NgramDrafter | None = None  # prompt lookup ahead of the drafter (draft.lookup)
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -73,11 +74,13 @@ class Pair:
     ) -> SpeculativeDecoder:
         gamma = self.config.speculation.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
         drafter = self.drafter if speculative else None
-        lookup_tokens = self.config.draft.lookup.num_draft_tokens if self.config.draft.lookup else None
-        if isinstance(drafter, LookupFirstDrafter) and lookup_tokens is not None:
-            # lookup's blocks and the model's have lengths of their own; the decoder's is the longer
-            drafter = LookupFirstDrafter(drafter.lookup, drafter.model, lookup_tokens, gamma)
-            gamma = max(gamma, lookup_tokens)
+        if speculative and self.lookup is not None:
+            lookup_tokens = self.config.draft.lookup.num_draft_tokens
+            if lookup_tokens is None:  # both sides draft the decoder's length
+                drafter = LookupFirstDrafter(self.lookup, drafter)
+            else:  # each side its own length; the decoder's is the longer
+                drafter = LookupFirstDrafter(self.lookup, drafter, lookup_tokens, gamma)
+                gamma = max(gamma, lookup_tokens)
         return SpeculativeDecoder(self.target, drafter, params, gamma, self.eos_token_ids)
 
     def encode(self, prompt: str, raw: bool = False, history: list[dict] | None = None) -> list[int]:
@@ -143,7 +146,7 @@ def load_pair(config: Config) -> Pair:
     dtype = resolve_dtype(runtime.dtype, device)
     model, tokenizer = load_model(config.target, device, dtype)
     vocab_size = model.get_output_embeddings().out_features
-    state_layers, description = LAST, None
+    state_layers, description, lookup = LAST, None, None
     threshold = config.speculation.confidence_threshold
     if config.draft.ngram is not None:
         drafter = NgramDrafter(config.draft.ngram.max_n, config.draft.ngram.min_n, vocab_size, device)
@@ -174,11 +177,10 @@ def load_pair(config: Config) -> Pair:
         token_by_token = isinstance(drafter, (ModelDrafter, FeatureDrafter))
         if config.draft.lookup is not None:
             lookup = NgramDrafter(config.draft.lookup.max_n, config.draft.lookup.min_n, vocab_size, device)
-            drafter = LookupFirstDrafter(lookup, drafter)
     if threshold and not token_by_token:
         raise SpecdecError(
             "confidence_threshold applies to drafts that draft token by token (a draft model, a feature "
             "or EAGLE draft): this draft proposes its block at once"
         )
     target = CachedModel(model, vocab_size, state_layers)
-    return Pair(config, tokenizer, target, drafter, device, dtype, description)
+    return Pair(config, tokenizer, target, drafter, device, dtype, description, lookup)
