@@ -93,15 +93,14 @@ def execute(
         + ([peer_report(peers, caption)] if peers else [])
         + ([batch_report(batch_summary)] if batch_runs else [])
     )
-    folder = records.write_record("benchmark", cfg.name, record)
-    (folder / "report.md").write_text(markdown_document(record, tables))
+    written = records.write_record("benchmark", cfg.name, record, {"report.md": markdown_document(record, tables)})
     if as_json:
         print(records.dumps(record))
     else:
         for table in tables:
             display.stdout.print(rich_table(table))
         display.stdout.print(environment_caption(record["environment"]))
-    display.stderr.print(f"Record: {folder / 'record.json'}, report: {folder / 'report.md'}")
+    display.stderr.print(written)
     if partial:
         display.stderr.print("Interrupted: the record holds the prompts finished in every mode (partial: true).")
         raise KeyboardInterrupt

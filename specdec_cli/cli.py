@@ -24,6 +24,8 @@ from specdec_cli.options import (
     IgnoreEosOpt,
     JsonOpt,
     MaxNewOpt,
+    RecordOpt,
+    RunsDirOpt,
     SeedOpt,
     TemperatureOpt,
     ThreadsOpt,
@@ -99,12 +101,16 @@ def generate(
     dtype: DtypeOpt = None,
     threads: ThreadsOpt = None,
     as_json: JsonOpt = False,
+    runs_dir: RunsDirOpt = None,
+    record: RecordOpt = True,
 ) -> None:
     """Generate text with speculative decoding, streaming it (accepted draft tokens in green), then
     show the decoding statistics; with --prompts, decode a prompt file in batches. Flags override the
     config's YAML values."""
     cfg = configure(
         config,
+        runs_dir,
+        record,
         sampling__temperature=temperature,
         sampling__top_k=top_k,
         sampling__top_p=top_p,
@@ -194,6 +200,8 @@ def benchmark(
     dtype: DtypeOpt = None,
     threads: ThreadsOpt = None,
     as_json: JsonOpt = False,
+    runs_dir: RunsDirOpt = None,
+    record: RecordOpt = True,
 ) -> None:
     """Measure target-only vs speculative decoding on a prompt set, greedy and sampled: tokens/s,
     speedup, acceptance, cost ratio and Leviathan's predicted speedup. Writes runs/<time>-benchmark-<name>/
@@ -202,6 +210,8 @@ def benchmark(
         return compare_records(*compare, as_json=as_json)
     cfg = configure(
         config,
+        runs_dir,
+        record,
         sampling__seed=seed,
         speculation__confidence_threshold=confidence_threshold,
         generation__max_new_tokens=max_new_tokens,
@@ -262,6 +272,8 @@ def verify_distribution(
     dtype: DtypeOpt = None,
     threads: ThreadsOpt = None,
     as_json: JsonOpt = False,
+    runs_dir: RunsDirOpt = None,
+    record: RecordOpt = True,
 ) -> None:
     """Check, with statistics, that speculative output is distributed exactly as the target's: the
     sampler on synthetic (p, q) pairs, the first and deeper tokens of many seeded runs, and greedy
@@ -273,6 +285,8 @@ def verify_distribution(
         raise SpecdecError("the distribution checks need --temperature > 0 (greedy identity always runs)")
     cfg = configure(
         config,
+        runs_dir,
+        record,
         sampling__temperature=temperature,
         sampling__top_k=top_k,
         sampling__top_p=top_p,
@@ -385,6 +399,8 @@ def distill(
             "other draft settings skips writing the corpus.",
         ),
     ] = False,
+    runs_dir: RunsDirOpt = None,
+    record: RecordOpt = True,
 ) -> None:
     """Train a small feature draft (EAGLE-style: it reads the target's hidden states) for the config's
     target on text the target writes itself, matching the target's next-token distributions. The
@@ -392,7 +408,15 @@ def distill(
     saved folder holds only its own layers; name it as `draft: {checkpoint: PATH}`."""
     from specdec_cli.bench.prompts import training_prompts
 
-    cfg = configure(config, sampling__seed=seed, runtime__device=device, runtime__dtype=dtype, runtime__threads=threads)
+    cfg = configure(
+        config,
+        runs_dir,
+        record,
+        sampling__seed=seed,
+        runtime__device=device,
+        runtime__dtype=dtype,
+        runtime__threads=threads,
+    )
     if prompts and answers:
         raise SpecdecError("--prompts and --answers exclude each other: the target answers prompts, or labels answers")
     texts = [] if answers else [p.turns[0] for p in (load_prompts(prompts) if prompts else training_prompts())]

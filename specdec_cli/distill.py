@@ -698,7 +698,7 @@ def distill(
     save(draft, target, tokenizer, out, cfg.target.describe(), log, settings)
     if not keep_work:
         shutil.rmtree(work)
-    folder = records.write_record(
+    written = records.write_record(
         "distill",
         cfg.name,
         {
@@ -710,4 +710,4 @@ def distill(
             "log": log,
         },
     )
-    display.stderr.print(f"Draft saved to {out}: name it as `draft: {{checkpoint: {out}}}`. Record: {folder}")
+    display.stderr.print(f"Draft saved to {out}: name it as `draft: {{checkpoint: {out}}}`. {written}")

@@ -51,17 +51,17 @@ def generate_one(cfg: Config, text: str, raw: bool, as_json: bool) -> None:
     except KeyboardInterrupt:
         record.update(partial=True, token_ids=stream.token_ids, text=stream.text)
         stream.close()
-        display.stderr.print(f"Partial record: {records.write_record('generate', cfg.name, record)}")
+        display.stderr.print(records.write_record("generate", cfg.name, record))
         raise
     stream.close()
     stats = result.stats(decoder.gamma)
     record.update(text=stream.text, token_ids=result.token_ids, stats=stats, steps=[vars(s) for s in result.steps])
-    folder = records.write_record("generate", cfg.name, record)
+    written = records.write_record("generate", cfg.name, record)
     if as_json:
         print(records.dumps(record))
     else:
         display.stderr.print(display.generation_table(stats, record["environment"], title(cfg)))
-        display.stderr.print(f"Record: {folder / 'record.json'}")
+        display.stderr.print(written)
 
 
 def generate_many(cfg: Config, prompts: list[Prompt], raw: bool, batch_size: int, as_json: bool) -> None:
@@ -114,7 +114,7 @@ def generate_many(cfg: Config, prompts: list[Prompt], raw: bool, batch_size: int
     ]
     overall = combined(batches).stats(decoder.gamma) if batches else None
     record.update(partial=partial, rows=rows, stats=overall)
-    folder = records.write_record("generate", cfg.name, record)
+    written = records.write_record("generate", cfg.name, record)
     if as_json:
         print(records.dumps(record))
     else:
@@ -125,7 +125,7 @@ def generate_many(cfg: Config, prompts: list[Prompt], raw: bool, batch_size: int
             display.stderr.print(
                 display.batch_table(rows, overall, record["environment"], title(cfg, f", batches of {batch_size}"))
             )
-    display.stderr.print(f"Record: {folder / 'record.json'}")
+    display.stderr.print(written)
     if partial:
         display.stderr.print("Interrupted: the record holds the finished batches (partial: true).")
         raise KeyboardInterrupt

@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from specdec_cli import records
 from specdec_cli.config import DEFAULT_CONFIG, Config, apply_overrides, load_config
 from specdec_cli.errors import SpecdecError
 
@@ -39,6 +40,11 @@ DeviceOpt = Annotated[Optional[str], typer.Option(help="auto, cpu, cuda or cuda:
 DtypeOpt = Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16.")]
 ThreadsOpt = Annotated[Optional[int], typer.Option(help="CPU threads for torch.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON record to stdout, nothing else.")]
+RunsDirOpt = Annotated[
+    Optional[Path],
+    typer.Option(help="Folder for run records (default: $SPECDEC_RUNS_DIR, else ./runs).", show_default=False),
+]
+RecordOpt = Annotated[bool, typer.Option("--record/--no-record", help="Write the run's record (and report).")]
 
 
 def reports_errors(command):
@@ -66,8 +72,10 @@ def reports_errors(command):
     return wrapper
 
 
-def configure(config: str | None, **overrides) -> Config:
-    """Load the YAML and apply flags given as section__key=value (None: not given)."""
+def configure(config: str | None, runs_dir: Path | None = None, record: bool = True, **overrides) -> Config:
+    """Load the YAML and apply flags given as section__key=value (None: not given); say where the
+    run's record goes."""
+    records.configure(runs_dir, record)
     return apply_overrides(load_config(config), {key.replace("__", "."): value for key, value in overrides.items()})
 
 

@@ -1,4 +1,5 @@
-"""Run records: one JSON file per run under runs/ (or $SPECDEC_RUNS_DIR), and stdout JSON."""
+"""Run records: one JSON file per run under runs/ (or --runs-dir, or $SPECDEC_RUNS_DIR; none with
+--no-record), and stdout JSON."""
 
 from __future__ import annotations
 
@@ -9,9 +10,18 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+# set once per command from its --runs-dir and --record/--no-record flags
+chosen_dir: Path | None = None
+recording = True
+
+
+def configure(runs_dir: Path | None, record: bool) -> None:
+    global chosen_dir, recording
+    chosen_dir, recording = runs_dir, record
+
 
 def runs_dir() -> Path:
-    return Path(os.environ.get("SPECDEC_RUNS_DIR", "runs"))
+    return chosen_dir or Path(os.environ.get("SPECDEC_RUNS_DIR", "runs"))
 
 
 def timestamp() -> str:
@@ -40,8 +50,13 @@ def dumps(record: dict[str, Any]) -> str:
     return json.dumps(record, indent=2, ensure_ascii=False)
 
 
-def write_record(command: str, name: str, record: dict[str, Any]) -> Path:
-    """Write record.json into a new run folder; returns the folder."""
+def write_record(command: str, name: str, record: dict[str, Any], files: dict[str, str] | None = None) -> str:
+    """Write record.json and `files` (name: text) into a new run folder; returns what to tell the
+    user: where they are, or that nothing was written."""
+    if not recording:
+        return "Not recorded (--no-record)."
     folder = run_folder(command, name)
     (folder / "record.json").write_text(dumps(record) + "\n")
-    return folder
+    for file_name, text in (files or {}).items():
+        (folder / file_name).write_text(text)
+    return "Record: " + ", ".join(str(folder / n) for n in ["record.json", *(files or {})])

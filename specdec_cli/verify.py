@@ -619,7 +619,7 @@ def verify_distribution(
         },
         "checks": [{**asdict(r), "passed": r.passed} for r in rows],  # "passed": for readers of older records
     }
-    folder = records.write_record("verify-distribution", cfg.name, record)
+    written = records.write_record("verify-distribution", cfg.name, record)
     if as_json:
         print(records.dumps(record))
     else:
@@ -631,8 +631,7 @@ def verify_distribution(
         )
         display.stdout.print(display.verification_table(rows, title, display.environment_caption(env)))
         display.stderr.print(
-            f"{count[PASS]} passed, {count[FAIL]} failed, {count[NOT_RUN]} not run in "
-            f"{seconds:.0f} s. Record: {folder / 'record.json'}"
+            f"{count[PASS]} passed, {count[FAIL]} failed, {count[NOT_RUN]} not run in {seconds:.0f} s. {written}"
         )
     if failed:
         raise SpecdecError(

@@ -212,3 +212,18 @@ def test_the_command_line_starts_without_torch_or_transformers():
     code = "import sys, specdec_cli.cli; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_records_go_where_asked_or_nowhere(write_config, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = str(write_config())
+    asked = tmp_path / "elsewhere"
+    run = runner.invoke(app, ["generate", "-c", config, "-p", "hi", "--runs-dir", str(asked)])
+    assert run.exit_code == 0, run.output
+    assert len(list(asked.glob("*-generate-tiny-test/record.json"))) == 1
+    assert f"Record: {asked}" in run.stderr
+    before = sorted(tmp_path.rglob("record.json"))
+    run = runner.invoke(app, ["benchmark", "-c", config, "--limit", "1", "--category", "qa", "--no-record"])
+    assert run.exit_code == 0, run.output
+    assert "Not recorded (--no-record)." in run.stderr
+    assert sorted(tmp_path.rglob("record.json")) == before and not list(tmp_path.rglob("report.md"))
