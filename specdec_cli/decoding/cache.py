@@ -52,6 +52,13 @@ def right_padded(rows: list[list[int]], device: torch.device) -> tuple[torch.Ten
     return to_device([row + [0] * (width - len(row)) for row in rows], device), [len(r) for r in rows]
 
 
+def right_padded_states(states: list[torch.Tensor | None]) -> torch.Tensor:
+    """Runs of hidden states of different lengths [n_b, H] (None: no run) as one [B, longest, H]
+    tensor, padded with zeros."""
+    empty = next(s for s in states if s is not None)[:0]
+    return torch.nn.utils.rnn.pad_sequence([empty if s is None else s for s in states], batch_first=True)
+
+
 class RaggedCache(Cache):
     """Keys and values of B rows in one preallocated tensor per layer, [B, heads, max_tokens + 1, dim],
     each row with a length of its own. A forward writes every row's n new entries at that row's

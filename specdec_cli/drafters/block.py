@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec_cli.decoding.cache import right_padded_states
 from specdec_cli.decoding.host import to_device
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.drafters.base import Drafts, Rows, States
@@ -50,13 +51,8 @@ class BlockDrafter:
         counts = [0 if p is None else len(p) for p in self.pending]
         if not any(counts):
             return
-        width = max(counts)
-        states = next(p for p in self.pending if p is not None)
-        padded = states.new_zeros(len(counts), width, states.shape[-1])
-        for row, pending in enumerate(self.pending):
-            if pending is not None:
-                padded[row, : len(pending)] = pending
-        positions = to_device(self.lengths, self.device)[:, None] + torch.arange(width, device=self.device)
+        padded = right_padded_states(self.pending)
+        positions = to_device(self.lengths, self.device)[:, None] + torch.arange(padded.shape[1], device=self.device)
         for (keys, values), (new_keys, new_values) in zip(self.store, self.model.context_kv(padded, positions)):
             for row, (start, count) in enumerate(zip(self.lengths, counts)):  # padding is never written
                 keys[row, :, start : start + count] = new_keys[row, :, :count]

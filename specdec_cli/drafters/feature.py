@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec_cli.decoding.cache import CachedModel, Output, right_padded
+from specdec_cli.decoding.cache import CachedModel, Output, right_padded, right_padded_states
 from specdec_cli.decoding.host import to_device
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.drafters.base import NOT_DRAFTED, Drafts, Rows, States
@@ -45,19 +45,8 @@ class FeatureDrafter:
 
     def _forward(self, rows: list[list[int]], states: list[torch.Tensor | None], logits: str) -> Output:
         """Feed each row its tokens beside the target's states (rows of different lengths are padded)."""
-        ids, counts = right_padded(rows, self.model.device)
-        width = ids.shape[1]
-        padded = torch.zeros(
-            len(rows),
-            width,
-            next(s for s in states if s is not None).shape[-1],
-            device=self.model.device,
-            dtype=next(s for s in states if s is not None).dtype,
-        )
-        for row, state in enumerate(states):
-            if state is not None:
-                padded[row, : len(state)] = state
-        inputs = feature_inputs(self.model.model, ids, read_target(self.model.model, padded))
+        ids, counts = right_padded(rows, self.model.device)  # a row's tokens and states are as many
+        inputs = feature_inputs(self.model.model, ids, read_target(self.model.model, right_padded_states(states)))
         return self.model.forward(inputs_embeds=inputs, counts=counts, logits=logits, hidden=True)
 
     def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None) -> Drafts:
