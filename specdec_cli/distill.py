@@ -30,8 +30,10 @@ interrupted run resumes where it stopped.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import math
+import pickle
 import random
 import shutil
 from dataclasses import dataclass
@@ -46,6 +48,7 @@ from specdec_cli.errors import SpecdecError
 from specdec_cli.models import eagle3_draft
 from specdec_cli.models.checkpoints import load_model
 from specdec_cli.models.feature_draft import (
+    EMBEDDING,
     check_target_layers,
     eagle3_layers,
     feature_inputs,
@@ -99,6 +102,19 @@ def save_whole(obj, path: Path) -> None:
     partial = path.with_suffix(".partial")
     torch.save(obj, partial)
     partial.replace(path)
+
+
+def load_kept(path: Path):
+    """A file of the work folder, read as data only: the folder may come from someone else, and a
+    pickle can run code as it loads. What specdec saves there is tensors and plain containers (on the
+    CPU, so a run stopped on a GPU resumes anywhere)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        problem = "it holds objects other than tensors and plain data, which could run code as they load"
+    except (RuntimeError, EOFError) as exc:
+        problem = f"it is damaged ({(str(exc).strip() or type(exc).__name__).split('. ')[0]})"
+    raise SpecdecError(f"{path}: refused, {problem}: delete it, or use another --out")
 
 
 @dataclass
@@ -160,7 +176,7 @@ def build_corpus(
                     answer["synthetic"] = shard >= len(groups)
                 save_whole(answers, path)
                 bar.update(task, advance=size)
-            corpus += torch.load(path)
+            corpus += load_kept(path)
     return corpus
 
 
@@ -294,7 +310,7 @@ def label_answers(
         for number, start in enumerate(range(0, len(answers), SHARD)):
             shard = answers[start : start + SHARD]
             path = work / f"labels-{number:05d}.pt"
-            kept = torch.load(path) if path.is_file() else []
+            kept = load_kept(path) if path.is_file() else []
             # a kept shard counts only while it labels these very answers (the file may have grown
             # or changed since)
             if [(a["prompt"], a["answer"]) for a in kept] == [(a["prompt"], a["answer"]) for a in shard]:
@@ -374,7 +390,7 @@ def add_target_features(
         for number, start in enumerate(range(0, len(corpus), SHARD)):
             answers = corpus[start : start + SHARD]
             path = states_path(work, layers, number)
-            states = torch.load(path) if path.is_file() else []
+            states = load_kept(path) if path.is_file() else []
             if [len(s) for s in states] != [sequence_length(a) for a in answers]:
                 states = target_states(target, answers, pad, layers)
                 save_whole(states, path)
@@ -532,6 +548,7 @@ def train(
     corpus: list[dict],
     settings: DistillSettings,
     work: Path,
+    target_name: str,
 ) -> tuple[PreTrainedModel, list[dict]]:
     pad = padding_id(tokenizer)
     taps = read_layers(settings, target)
@@ -560,12 +577,9 @@ def train(
     log: list[dict] = []
     step = 0
     state_path = work / (STATE if settings.format == "specdec" else f"train-state-{settings.format}.pt")
+    shaped_by = trained_with(settings, target, target_name, corpus)
     if state_path.is_file():
-        state = torch.load(state_path, weights_only=False)
-        draft.load_state_dict(state["draft"], strict=False)
-        optimizer.load_state_dict(state["optimizer"])
-        schedule.load_state_dict(state["schedule"])
-        step, log = state["step"], state["log"]
+        step, log = resume(state_path, shaped_by, draft, optimizer, schedule)
 
     def evaluation(**extra) -> None:
         draft.eval()
@@ -589,6 +603,7 @@ def train(
                 "schedule": schedule.state_dict(),
                 "step": step,
                 "log": log,
+                "trained_with": shaped_by,
             },
             state_path,
         )
@@ -618,6 +633,51 @@ def train(
             raise
     draft.eval()
     return draft, log
+
+
+def trained_with(settings: DistillSettings, target: PreTrainedModel, target_name: str, corpus: list[dict]) -> dict:
+    """What shapes a training state (the draft's weights, the optimizer, the answers and their order):
+    a run resumes it only with the same. `steps` may change (the schedule goes on from the step
+    reached towards the new end), and so may `eval_every`."""
+    answers = json.dumps([(a["prompt"], a["answer"]) for a in corpus]).encode()
+    return {
+        **{key: value for key, value in vars(settings).items() if key not in ("steps", "eval_every")},
+        # as resolved: by default they depend on the target
+        "target_layers": list(read_layers(settings, target)),
+        "init_layers": starting_layers(target.config, settings.num_layers, settings.init_layers),
+        "target": target_name,
+        "dtype": str(target.dtype).removeprefix("torch."),
+        "corpus": hashlib.sha256(answers).hexdigest()[:12],
+    }
+
+
+def resume(
+    path: Path,
+    shaped_by: dict,
+    draft: PreTrainedModel,
+    optimizer: torch.optim.Optimizer,
+    schedule: torch.optim.lr_scheduler.LRScheduler,
+) -> tuple[int, list[dict]]:
+    """Loads a saved training state into the draft, optimizer and schedule: the step and log it reached."""
+    state = load_kept(path)
+    saved = state.get("trained_with", {}) if isinstance(state, dict) else {}
+    for key, value in shaped_by.items():
+        if saved.get(key) != value:
+            raise SpecdecError(
+                f"{path} holds training with {key} {saved.get(key, '(not recorded)')}, this run {key} {value}: "
+                "run with the same settings, use another --out, or delete that file to train anew on the kept corpus"
+            )
+    try:
+        # strictly: every tensor of the draft but the target's embedding, which is never saved
+        missing, unexpected = draft.load_state_dict(state["draft"], strict=False)
+        if missing != [EMBEDDING] or unexpected:
+            raise ValueError(f"missing {[m for m in missing if m != EMBEDDING]}, unexpected {unexpected}")
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        return state["step"], state["log"]
+    except (KeyError, RuntimeError, ValueError) as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise SpecdecError(f"{path} does not fit this draft ({reason}): delete it, or use another --out") from None
 
 
 def format_eval(entry: dict) -> str:
@@ -694,7 +754,7 @@ def distill(
     else:
         corpus = build_corpus(target, tokenizer, prompts, settings, work)
         write_answers(corpus, tokenizer, out / ANSWERS)
-    draft, log = train(target, tokenizer, corpus, settings, work)
+    draft, log = train(target, tokenizer, corpus, settings, work, cfg.target.describe())
     save(draft, target, tokenizer, out, cfg.target.describe(), log, settings)
     if not keep_work:
         shutil.rmtree(work)
