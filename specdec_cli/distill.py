@@ -542,6 +542,15 @@ def evaluate(
     }
 
 
+def split_heldout(corpus: list[dict], share: float) -> tuple[list[dict], list[dict]]:
+    """Training answers, and held-out answers: those to a `share` of the given prompts."""
+    num_prompts = len({tuple(a["prompt"]) for a in corpus if not a["synthetic"]})
+    heldout_prompts = {tuple(a["prompt"]) for a in corpus[: max(1, round(num_prompts * share))]}
+    heldout = [a for a in corpus if tuple(a["prompt"]) in heldout_prompts]
+    training = [a for a in corpus if tuple(a["prompt"]) not in heldout_prompts]
+    return training, heldout
+
+
 def train(
     target: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -554,10 +563,7 @@ def train(
     taps = read_layers(settings, target)
     add_target_features(target, corpus, pad, work, taps)
     torch.manual_seed(settings.seed)
-    num_prompts = len({tuple(a["prompt"]) for a in corpus if not a["synthetic"]})
-    heldout_prompts = {tuple(a["prompt"]) for a in corpus[: max(1, round(num_prompts * settings.heldout_prompts))]}
-    heldout = [a for a in corpus if tuple(a["prompt"]) in heldout_prompts]
-    training = [a for a in corpus if tuple(a["prompt"]) not in heldout_prompts]
+    training, heldout = split_heldout(corpus, settings.heldout_prompts)
     vocab_size = target.get_output_embeddings().weight.shape[0]
     token_ids = choose_vocabulary(training, vocab_size, settings.draft_vocab, eos_token_ids(target, tokenizer))
     to_subset = torch.full((vocab_size,), -1, dtype=torch.long)
