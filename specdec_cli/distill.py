@@ -543,11 +543,19 @@ def evaluate(
 
 
 def split_heldout(corpus: list[dict], share: float) -> tuple[list[dict], list[dict]]:
-    """Training answers, and held-out answers: those to a `share` of the given prompts."""
-    num_prompts = len({tuple(a["prompt"]) for a in corpus if not a["synthetic"]})
-    heldout_prompts = {tuple(a["prompt"]) for a in corpus[: max(1, round(num_prompts * share))]}
-    heldout = [a for a in corpus if tuple(a["prompt"]) in heldout_prompts]
+    """Training answers, and held-out answers: those to a `share` of the given prompts (the first ones
+    in the corpus), so that evaluation measures the draft on the given prompts' kind of text and on
+    prompts it never trained on. The target's own prompts are never held out; an answer to one that
+    happens to repeat a held-out prompt is not trained on either."""
+    given = list(dict.fromkeys(tuple(a["prompt"]) for a in corpus if not a["synthetic"]))
+    heldout_prompts = set(given[: max(1, round(len(given) * share))])
+    heldout = [a for a in corpus if tuple(a["prompt"]) in heldout_prompts and not a["synthetic"]]
     training = [a for a in corpus if tuple(a["prompt"]) not in heldout_prompts]
+    if not training:
+        raise SpecdecError(
+            f"no answers to train on: all {len(corpus)} answers are to the held-out prompts "
+            f"({len(heldout_prompts)} of the {len(given)} given); give more prompts or answers"
+        )
     return training, heldout
 
 
@@ -560,10 +568,10 @@ def train(
     target_name: str,
 ) -> tuple[PreTrainedModel, list[dict]]:
     pad = padding_id(tokenizer)
+    training, heldout = split_heldout(corpus, settings.heldout_prompts)  # before the target's pass: it may refuse
     taps = read_layers(settings, target)
     add_target_features(target, corpus, pad, work, taps)
     torch.manual_seed(settings.seed)
-    training, heldout = split_heldout(corpus, settings.heldout_prompts)
     vocab_size = target.get_output_embeddings().weight.shape[0]
     token_ids = choose_vocabulary(training, vocab_size, settings.draft_vocab, eos_token_ids(target, tokenizer))
     to_subset = torch.full((vocab_size,), -1, dtype=torch.long)

@@ -33,6 +33,7 @@ from specdec_cli.distill import (
     label_answers,
     read_answers,
     sequence_length,
+    split_heldout,
     target_states,
     write_answers,
 )
@@ -482,3 +483,27 @@ def test_a_resume_with_other_settings_is_refused(tmp_path):
     state["draft"].pop(next(iter(state["draft"])))
     torch.save(state, state_path)
     assert "does not fit" in refusal(runner.invoke(app, [*args, "--steps", "4"]))
+
+
+def test_only_answers_to_given_prompts_are_held_out():
+    """The held-out answers measure the draft on prompts it never trained on: a share of the given
+    prompts, wherever their answers stand in the corpus; the target's own prompts are never held out."""
+    own = [{"prompt": [1, 100 + i], "answer": [5], "synthetic": True, "greedy": i % 2 == 0} for i in range(10)]
+    given = [
+        {"prompt": [1, 200 + i], "answer": [5], "synthetic": False, "greedy": greedy}
+        for i in range(20)
+        for greedy in (True, False)
+    ]
+    for corpus in (own + given, given + own):  # an answer file may list the target's own prompts first
+        training, heldout = split_heldout(corpus, 0.1)
+        assert [a["prompt"][1] for a in heldout] == [200, 200, 201, 201]  # both answers of 2 of the 20
+        assert len(training) == len(corpus) - 4 and not any(a in heldout for a in training)
+    training, heldout = split_heldout(own, 0.1)
+    assert heldout == [] and training == own
+
+
+def test_a_corpus_with_nothing_to_train_on_is_refused(tmp_path):
+    args = quick_run(tmp_path)
+    (tmp_path / "answers.jsonl").write_text(json.dumps({"prompt": "Hello", "answer": "Hi there."}))
+    error = refusal(runner.invoke(app, args))
+    assert "no answers to train on" in error, error
