@@ -518,7 +518,7 @@ def evaluate(
     to_subset: torch.Tensor,
     autocast: torch.dtype | None,
     draft_steps: int,
-) -> dict[str, list[float] | float]:
+) -> dict[str, list[float] | float | None]:
     """Per draft step: greedy agreement (draft argmax == target argmax) on greedy answers, and
     expected acceptance at temperature 1, sum_x min(p, q) over the target's top-k, on sampled
     answers; and the share of the target's probability the draft's vocabulary covers."""
@@ -535,10 +535,11 @@ def evaluate(
         greedy_count += batch.greedy.sum().item()
         sampled_count += (~batch.greedy).sum().item()
         covered += batch.weights.sum().item()
+    # a figure with nothing held out to measure it on is None, not 0: a 0 reads as a draft that fails
     return {
-        "greedy_agreement": [a / max(greedy_count, 1) for a in agree],
-        "expected_acceptance": [a / max(sampled_count, 1) for a in accept],
-        "vocabulary_coverage": covered / max(greedy_count + sampled_count, 1),
+        "greedy_agreement": [a / greedy_count for a in agree] if greedy_count else None,
+        "expected_acceptance": [a / sampled_count for a in accept] if sampled_count else None,
+        "vocabulary_coverage": covered / (greedy_count + sampled_count) if greedy_count + sampled_count else None,
     }
 
 
@@ -604,8 +605,9 @@ def train(
     if not log:
         display.stderr.print(
             f"Corpus: {len(training)} training answers "
-            f"({sum(len(a['answer']) for a in training)} answer tokens), {len(heldout)} "
-            f"held out; draft vocabulary {len(token_ids)} of {vocab_size} tokens"
+            f"({sum(len(a['answer']) for a in training)} answer tokens), {len(heldout)} held out "
+            f"({sum(a['greedy'] for a in heldout)} greedy, {sum(not a['greedy'] for a in heldout)} sampled "
+            f"at T=1); draft vocabulary {len(token_ids)} of {vocab_size} tokens"
         )
         evaluation()
 
@@ -697,13 +699,16 @@ def resume(
 def format_eval(entry: dict) -> str:
     loss = f", loss {entry['loss']:.3f}" if "loss" in entry else ""
 
-    def per_token(values: list[float]) -> str:
-        return " / ".join(f"{v:.3f}" for v in values)
+    def figure(value: list[float] | float | None, answers: str) -> str:
+        if value is None:
+            return f"not measured (no {answers} held out)"
+        return " / ".join(f"{v:.3f}" for v in value) if isinstance(value, list) else f"{value:.3f}"
 
     return (
-        f"step {entry['step']}{loss}: held-out greedy agreement {per_token(entry['greedy_agreement'])}, "
-        f"expected acceptance (T=1) {per_token(entry['expected_acceptance'])} (draft token 1 / 2 ...), "
-        f"vocabulary coverage {entry['vocabulary_coverage']:.3f}"
+        f"step {entry['step']}{loss}: held out, per draft token 1 / 2 ...: greedy agreement "
+        f"{figure(entry['greedy_agreement'], 'greedy answers')}, expected acceptance (T=1) "
+        f"{figure(entry['expected_acceptance'], 'sampled answers')}; vocabulary coverage "
+        f"{figure(entry['vocabulary_coverage'], 'answers')}"
     )
 
 

@@ -507,3 +507,16 @@ def test_a_corpus_with_nothing_to_train_on_is_refused(tmp_path):
     (tmp_path / "answers.jsonl").write_text(json.dumps({"prompt": "Hello", "answer": "Hi there."}))
     error = refusal(runner.invoke(app, args))
     assert "no answers to train on" in error, error
+
+
+def test_figures_without_held_out_answers_are_not_shown_as_zero(tmp_path):
+    """Expected acceptance at T=1 is measured on sampled held-out answers: with none (every answer
+    greedy here) it is not measured, and says so, rather than showing 0 while the draft learns."""
+    args = quick_run(tmp_path)
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text(answers.read_text().replace('"greedy": false', '"greedy": true'))
+    run = runner.invoke(app, args)
+    assert run.exit_code == 0, run.output
+    log = json.loads((tmp_path / "draft" / DRAFT_INFO).read_text())["log"]
+    assert len(log) == 2 and all(e["expected_acceptance"] is None and len(e["greedy_agreement"]) == 3 for e in log)
+    assert "expected acceptance (T=1) not measured (no sampled answers held out)" in " ".join(run.stderr.split())
