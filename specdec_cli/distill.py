@@ -24,7 +24,7 @@
    printed per draft token.
 
 Corpus shards, hidden states and training state live in a work folder until training ends, so an
-interrupted run resumes where it stopped.
+interrupted run resumes where it stopped (only with the settings that shaped its state: `trained_with`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from specdec_cli import display, records
 from specdec_cli.config import Config
 from specdec_cli.errors import SpecdecError
 from specdec_cli.models import eagle3_draft
-from specdec_cli.models.checkpoints import load_model
+from specdec_cli.models.checkpoints import first_lines, load_model
 from specdec_cli.models.feature_draft import (
     EMBEDDING,
     check_target_layers,
@@ -113,7 +113,7 @@ def load_kept(path: Path):
     except pickle.UnpicklingError:
         problem = "it holds objects other than tensors and plain data, which could run code as they load"
     except (RuntimeError, EOFError) as exc:
-        problem = f"it is damaged ({(str(exc).strip() or type(exc).__name__).split('. ')[0]})"
+        problem = f"it is damaged ({first_lines(exc).split('. ')[0]})"
     raise SpecdecError(f"{path}: refused, {problem}: delete it, or use another --out")
 
 
@@ -691,9 +691,10 @@ def resume(
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
         return state["step"], state["log"]
-    except (KeyError, RuntimeError, ValueError) as exc:
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise SpecdecError(f"{path} does not fit this draft ({reason}): delete it, or use another --out") from None
+    except (KeyError, TypeError, RuntimeError, ValueError) as exc:
+        raise SpecdecError(
+            f"{path} does not fit this draft ({first_lines(exc)}): delete it, or use another --out"
+        ) from None
 
 
 def format_eval(entry: dict) -> str:
