@@ -24,14 +24,16 @@
    printed per draft token.
 
 Corpus shards, hidden states and training state live in a work folder until training ends, so an
-interrupted run resumes where it stopped.
+interrupted run resumes where it stopped (only with the settings that shaped its state: `trained_with`).
 """
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import math
+import pickle
 import random
 import shutil
 from dataclasses import dataclass
@@ -44,8 +46,9 @@ from specdec_cli import display, records
 from specdec_cli.config import Config
 from specdec_cli.errors import SpecdecError
 from specdec_cli.models import eagle3_draft
-from specdec_cli.models.checkpoints import load_model
+from specdec_cli.models.checkpoints import first_lines, load_model
 from specdec_cli.models.feature_draft import (
+    EMBEDDING,
     check_target_layers,
     eagle3_layers,
     feature_inputs,
@@ -99,6 +102,19 @@ def save_whole(obj, path: Path) -> None:
     partial = path.with_suffix(".partial")
     torch.save(obj, partial)
     partial.replace(path)
+
+
+def load_kept(path: Path):
+    """A file of the work folder, read as data only: the folder may come from someone else, and a
+    pickle can run code as it loads. What specdec saves there is tensors and plain containers (on the
+    CPU, so a run stopped on a GPU resumes anywhere)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        problem = "it holds objects other than tensors and plain data, which could run code as they load"
+    except (RuntimeError, EOFError) as exc:
+        problem = f"it is damaged ({first_lines(exc).split('. ')[0]})"
+    raise SpecdecError(f"{path}: refused, {problem}: delete it, or use another --out")
 
 
 @dataclass
@@ -160,7 +176,7 @@ def build_corpus(
                     answer["synthetic"] = shard >= len(groups)
                 save_whole(answers, path)
                 bar.update(task, advance=size)
-            corpus += torch.load(path)
+            corpus += load_kept(path)
     return corpus
 
 
@@ -294,7 +310,7 @@ def label_answers(
         for number, start in enumerate(range(0, len(answers), SHARD)):
             shard = answers[start : start + SHARD]
             path = work / f"labels-{number:05d}.pt"
-            kept = torch.load(path) if path.is_file() else []
+            kept = load_kept(path) if path.is_file() else []
             # a kept shard counts only while it labels these very answers (the file may have grown
             # or changed since)
             if [(a["prompt"], a["answer"]) for a in kept] == [(a["prompt"], a["answer"]) for a in shard]:
@@ -374,7 +390,7 @@ def add_target_features(
         for number, start in enumerate(range(0, len(corpus), SHARD)):
             answers = corpus[start : start + SHARD]
             path = states_path(work, layers, number)
-            states = torch.load(path) if path.is_file() else []
+            states = load_kept(path) if path.is_file() else []
             if [len(s) for s in states] != [sequence_length(a) for a in answers]:
                 states = target_states(target, answers, pad, layers)
                 save_whole(states, path)
@@ -502,7 +518,7 @@ def evaluate(
     to_subset: torch.Tensor,
     autocast: torch.dtype | None,
     draft_steps: int,
-) -> dict[str, list[float] | float]:
+) -> dict[str, list[float] | float | None]:
     """Per draft step: greedy agreement (draft argmax == target argmax) on greedy answers, and
     expected acceptance at temperature 1, sum_x min(p, q) over the target's top-k, on sampled
     answers; and the share of the target's probability the draft's vocabulary covers."""
@@ -519,11 +535,29 @@ def evaluate(
         greedy_count += batch.greedy.sum().item()
         sampled_count += (~batch.greedy).sum().item()
         covered += batch.weights.sum().item()
+    # a figure with nothing held out to measure it on is None, not 0: a 0 reads as a draft that fails
     return {
-        "greedy_agreement": [a / max(greedy_count, 1) for a in agree],
-        "expected_acceptance": [a / max(sampled_count, 1) for a in accept],
-        "vocabulary_coverage": covered / max(greedy_count + sampled_count, 1),
+        "greedy_agreement": [a / greedy_count for a in agree] if greedy_count else None,
+        "expected_acceptance": [a / sampled_count for a in accept] if sampled_count else None,
+        "vocabulary_coverage": covered / (greedy_count + sampled_count) if greedy_count + sampled_count else None,
     }
+
+
+def split_heldout(corpus: list[dict], share: float) -> tuple[list[dict], list[dict]]:
+    """Training answers, and held-out answers: those to a `share` of the given prompts (the first ones
+    in the corpus), so that evaluation measures the draft on the given prompts' kind of text and on
+    prompts it never trained on. The target's own prompts are never held out; an answer to one that
+    happens to repeat a held-out prompt is not trained on either."""
+    given = list(dict.fromkeys(tuple(a["prompt"]) for a in corpus if not a["synthetic"]))
+    heldout_prompts = set(given[: max(1, round(len(given) * share))])
+    heldout = [a for a in corpus if tuple(a["prompt"]) in heldout_prompts and not a["synthetic"]]
+    training = [a for a in corpus if tuple(a["prompt"]) not in heldout_prompts]
+    if not training:
+        raise SpecdecError(
+            f"no answers to train on: all {len(corpus)} answers are to the held-out prompts "
+            f"({len(heldout_prompts)} of the {len(given)} given); give more prompts or answers"
+        )
+    return training, heldout
 
 
 def train(
@@ -532,15 +566,13 @@ def train(
     corpus: list[dict],
     settings: DistillSettings,
     work: Path,
+    target_name: str,
 ) -> tuple[PreTrainedModel, list[dict]]:
     pad = padding_id(tokenizer)
+    training, heldout = split_heldout(corpus, settings.heldout_prompts)  # before the target's pass: it may refuse
     taps = read_layers(settings, target)
     add_target_features(target, corpus, pad, work, taps)
     torch.manual_seed(settings.seed)
-    num_prompts = len({tuple(a["prompt"]) for a in corpus if not a["synthetic"]})
-    heldout_prompts = {tuple(a["prompt"]) for a in corpus[: max(1, round(num_prompts * settings.heldout_prompts))]}
-    heldout = [a for a in corpus if tuple(a["prompt"]) in heldout_prompts]
-    training = [a for a in corpus if tuple(a["prompt"]) not in heldout_prompts]
     vocab_size = target.get_output_embeddings().weight.shape[0]
     token_ids = choose_vocabulary(training, vocab_size, settings.draft_vocab, eos_token_ids(target, tokenizer))
     to_subset = torch.full((vocab_size,), -1, dtype=torch.long)
@@ -560,12 +592,9 @@ def train(
     log: list[dict] = []
     step = 0
     state_path = work / (STATE if settings.format == "specdec" else f"train-state-{settings.format}.pt")
+    shaped_by = trained_with(settings, target, target_name, corpus)
     if state_path.is_file():
-        state = torch.load(state_path, weights_only=False)
-        draft.load_state_dict(state["draft"], strict=False)
-        optimizer.load_state_dict(state["optimizer"])
-        schedule.load_state_dict(state["schedule"])
-        step, log = state["step"], state["log"]
+        step, log = resume(state_path, shaped_by, draft, optimizer, schedule)
 
     def evaluation(**extra) -> None:
         draft.eval()
@@ -576,8 +605,9 @@ def train(
     if not log:
         display.stderr.print(
             f"Corpus: {len(training)} training answers "
-            f"({sum(len(a['answer']) for a in training)} answer tokens), {len(heldout)} "
-            f"held out; draft vocabulary {len(token_ids)} of {vocab_size} tokens"
+            f"({sum(len(a['answer']) for a in training)} answer tokens), {len(heldout)} held out "
+            f"({sum(a['greedy'] for a in heldout)} greedy, {sum(not a['greedy'] for a in heldout)} sampled "
+            f"at T=1); draft vocabulary {len(token_ids)} of {vocab_size} tokens"
         )
         evaluation()
 
@@ -589,6 +619,7 @@ def train(
                 "schedule": schedule.state_dict(),
                 "step": step,
                 "log": log,
+                "trained_with": shaped_by,
             },
             state_path,
         )
@@ -620,16 +651,65 @@ def train(
     return draft, log
 
 
+def trained_with(settings: DistillSettings, target: PreTrainedModel, target_name: str, corpus: list[dict]) -> dict:
+    """What shapes a training state (the draft's weights, the optimizer, the answers and their order):
+    a run resumes it only with the same. `steps` may change (the schedule goes on from the step
+    reached towards the new end), and so may `eval_every`."""
+    answers = json.dumps([(a["prompt"], a["answer"]) for a in corpus]).encode()
+    return {
+        **{key: value for key, value in vars(settings).items() if key not in ("steps", "eval_every")},
+        # as resolved: by default they depend on the target
+        "target_layers": list(read_layers(settings, target)),
+        "init_layers": starting_layers(target.config, settings.num_layers, settings.init_layers),
+        "target": target_name,
+        "dtype": str(target.dtype).removeprefix("torch."),
+        "corpus": hashlib.sha256(answers).hexdigest()[:12],
+    }
+
+
+def resume(
+    path: Path,
+    shaped_by: dict,
+    draft: PreTrainedModel,
+    optimizer: torch.optim.Optimizer,
+    schedule: torch.optim.lr_scheduler.LRScheduler,
+) -> tuple[int, list[dict]]:
+    """Loads a saved training state into the draft, optimizer and schedule: the step and log it reached."""
+    state = load_kept(path)
+    saved = state.get("trained_with", {}) if isinstance(state, dict) else {}
+    for key, value in shaped_by.items():
+        if saved.get(key) != value:
+            raise SpecdecError(
+                f"{path} holds training with {key} {saved.get(key, '(not recorded)')}, this run {key} {value}: "
+                "run with the same settings, use another --out, or delete that file to train anew on the kept corpus"
+            )
+    try:
+        # strictly: every tensor of the draft but the target's embedding, which is never saved
+        missing, unexpected = draft.load_state_dict(state["draft"], strict=False)
+        if missing != [EMBEDDING] or unexpected:
+            raise ValueError(f"missing {[m for m in missing if m != EMBEDDING]}, unexpected {unexpected}")
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        return state["step"], state["log"]
+    except (KeyError, TypeError, RuntimeError, ValueError) as exc:
+        raise SpecdecError(
+            f"{path} does not fit this draft ({first_lines(exc)}): delete it, or use another --out"
+        ) from None
+
+
 def format_eval(entry: dict) -> str:
     loss = f", loss {entry['loss']:.3f}" if "loss" in entry else ""
 
-    def per_token(values: list[float]) -> str:
-        return " / ".join(f"{v:.3f}" for v in values)
+    def figure(value: list[float] | float | None, answers: str) -> str:
+        if value is None:
+            return f"not measured (no {answers} held out)"
+        return " / ".join(f"{v:.3f}" for v in value) if isinstance(value, list) else f"{value:.3f}"
 
     return (
-        f"step {entry['step']}{loss}: held-out greedy agreement {per_token(entry['greedy_agreement'])}, "
-        f"expected acceptance (T=1) {per_token(entry['expected_acceptance'])} (draft token 1 / 2 ...), "
-        f"vocabulary coverage {entry['vocabulary_coverage']:.3f}"
+        f"step {entry['step']}{loss}: held out, per draft token 1 / 2 ...: greedy agreement "
+        f"{figure(entry['greedy_agreement'], 'greedy answers')}, expected acceptance (T=1) "
+        f"{figure(entry['expected_acceptance'], 'sampled answers')}; vocabulary coverage "
+        f"{figure(entry['vocabulary_coverage'], 'answers')}"
     )
 
 
@@ -694,7 +774,7 @@ def distill(
     else:
         corpus = build_corpus(target, tokenizer, prompts, settings, work)
         write_answers(corpus, tokenizer, out / ANSWERS)
-    draft, log = train(target, tokenizer, corpus, settings, work)
+    draft, log = train(target, tokenizer, corpus, settings, work, cfg.target.describe())
     save(draft, target, tokenizer, out, cfg.target.describe(), log, settings)
     if not keep_work:
         shutil.rmtree(work)

@@ -33,6 +33,7 @@ from specdec_cli.distill import (
     label_answers,
     read_answers,
     sequence_length,
+    split_heldout,
     target_states,
     write_answers,
 )
@@ -403,8 +404,119 @@ def test_sigterm_keeps_the_training_state_and_the_run_resumes(tmp_path):
     stderr = job.communicate(timeout=60)[1]
     assert job.returncode == EXIT_INTERRUPTED, stderr
     assert "Interrupted at step" in stderr
-    saved = torch.load(work / "train-state.pt", weights_only=False)["step"]
+    saved = torch.load(work / "train-state.pt", weights_only=True)["step"]
     assert saved > 0 and not list(work.glob("*.partial"))
     resumed = subprocess.run([*command, "--steps", str(saved + 2)], env=env, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads((out / DRAFT_INFO).read_text())["log"][-1]["step"] == saved + 2
+
+
+def quick_run(tmp_path, *more: str) -> list[str]:
+    """`specdec distill` arguments for a run of seconds in tmp_path/draft: the target labels an answer
+    file (one greedy and one sampled answer per prompt), keeping its work folder."""
+    config = tmp_path / "target.yaml"
+    config.write_text(yaml.safe_dump({"name": "tiny", "target": TARGET, "draft": {"ngram": {}}}))
+    answers = tmp_path / "answers.jsonl"
+    lines = [
+        json.dumps({"prompt": p, "answer": f"{p}, said {who}.", "greedy": who == "one"})
+        for p in PROMPTS
+        for who in ("one", "two")
+    ]
+    answers.write_text("\n".join(lines))
+    out = tmp_path / "draft"
+    options = "--vocab 96 --steps 2 --answer-tokens 16 --dtype float32 --device cpu --keep-work".split()
+    return ["distill", "-c", str(config), "--out", str(out), "--answers", str(answers), *options, *more]
+
+
+def refusal(run) -> str:
+    """The one `Error:` line of a run refused as bad input."""
+    assert run.exit_code == EXIT_BAD_INPUT, run.output
+    [error] = [line for line in run.stderr.splitlines() if line.startswith("Error:")]
+    return error
+
+
+class RunsCode:
+    """Unpickling it creates the file `marker`: what a work folder someone else wrote could do."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+@pytest.mark.parametrize("name", ["train-state.pt", "labels-00000.pt"])
+def test_work_files_that_would_run_code_are_refused(tmp_path, name):
+    args = quick_run(tmp_path)
+    work = tmp_path / "draft" / "distill-work"
+    work.mkdir(parents=True)
+    marker = tmp_path / "ran"
+    torch.save({"draft": RunsCode(marker), "step": 1}, work / name)
+    error = refusal(runner.invoke(app, args))
+    assert name in error and "another --out" in error
+    assert not marker.exists()
+
+
+def test_a_resume_with_other_settings_is_refused(tmp_path):
+    """The training state records what shaped it: resumed with other settings (another learning rate,
+    which the saved optimizer would override, or more layers, which would stay as they started) the
+    run stops and says which setting differs; the same settings resume."""
+    args = quick_run(tmp_path)
+    assert runner.invoke(app, args).exit_code == 0
+    state_path = tmp_path / "draft" / "distill-work" / "train-state.pt"
+    for change, setting, saved, new in [
+        (["--layers", "2"], "num_layers", 1, 2),
+        (["--learning-rate", "0.01"], "learning_rate", 0.001, 0.01),
+    ]:
+        error = refusal(runner.invoke(app, [*args, *change]))
+        assert f"with {setting} {saved}, this run {setting} {new}" in error and "another --out" in error, error
+    # other answers are another corpus
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text(answers.read_text().replace("said one", "said three"))
+    assert "corpus" in refusal(runner.invoke(app, args))
+    answers.write_text(answers.read_text().replace("said three", "said one"))
+    resumed = runner.invoke(app, [*args, "--steps", "3"])  # a longer schedule is the same training
+    assert resumed.exit_code == 0, resumed.output
+    assert torch.load(state_path, weights_only=True)["step"] == 3
+    # weights are loaded strictly: a state missing one of the draft's tensors is refused
+    state = torch.load(state_path, weights_only=True)
+    state["draft"].pop(next(iter(state["draft"])))
+    torch.save(state, state_path)
+    assert "does not fit" in refusal(runner.invoke(app, [*args, "--steps", "4"]))
+
+
+def test_only_answers_to_given_prompts_are_held_out():
+    """The held-out answers measure the draft on prompts it never trained on: a share of the given
+    prompts, wherever their answers stand in the corpus; the target's own prompts are never held out."""
+    own = [{"prompt": [1, 100 + i], "answer": [5], "synthetic": True, "greedy": i % 2 == 0} for i in range(10)]
+    given = [
+        {"prompt": [1, 200 + i], "answer": [5], "synthetic": False, "greedy": greedy}
+        for i in range(20)
+        for greedy in (True, False)
+    ]
+    for corpus in (own + given, given + own):  # an answer file may list the target's own prompts first
+        training, heldout = split_heldout(corpus, 0.1)
+        assert [a["prompt"][1] for a in heldout] == [200, 200, 201, 201]  # both answers of 2 of the 20
+        assert len(training) == len(corpus) - 4 and not any(a in heldout for a in training)
+    training, heldout = split_heldout(own, 0.1)
+    assert heldout == [] and training == own
+
+
+def test_a_corpus_with_nothing_to_train_on_is_refused(tmp_path):
+    args = quick_run(tmp_path)
+    (tmp_path / "answers.jsonl").write_text(json.dumps({"prompt": "Hello", "answer": "Hi there."}))
+    error = refusal(runner.invoke(app, args))
+    assert "no answers to train on" in error, error
+
+
+def test_figures_without_held_out_answers_are_not_shown_as_zero(tmp_path):
+    """Expected acceptance at T=1 is measured on sampled held-out answers: with none (every answer
+    greedy here) it is not measured, and says so, rather than showing 0 while the draft learns."""
+    args = quick_run(tmp_path)
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text(answers.read_text().replace('"greedy": false', '"greedy": true'))
+    run = runner.invoke(app, args)
+    assert run.exit_code == 0, run.output
+    log = json.loads((tmp_path / "draft" / DRAFT_INFO).read_text())["log"]
+    assert len(log) == 2 and all(e["expected_acceptance"] is None and len(e["greedy_agreement"]) == 3 for e in log)
+    assert "expected acceptance (T=1) not measured (no sampled answers held out)" in " ".join(run.stderr.split())

@@ -19,15 +19,17 @@ from typer.testing import CliRunner
 
 from specdec_cli import distill as distillation
 from specdec_cli.cli import app
-from specdec_cli.config import load_config
+from specdec_cli.config import TinyModel, load_config
 from specdec_cli.decoding.cache import CachedModel
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.drafters.feature import FeatureDrafter
 from specdec_cli.errors import EXIT_BAD_INPUT
+from specdec_cli.models.checkpoints import build_tiny, byte_tokenizer
 from specdec_cli.models.eagle3_draft import INFO
 from specdec_cli.models.feature_draft import DRAFT_INFO
 from specdec_cli.models.formats import FORMATS, DraftFolder
 from specdec_cli.models.pair import load_pair
+from specdec_cli.models.tokens import padding_id
 
 runner = CliRunner()
 
@@ -123,6 +125,37 @@ def test_every_trained_position_improves(exported):
     assert last["step"] == 80 and exported.info["reads_target_layers"] == [1, 2, 3]
     for position in range(3):
         assert last["expected_acceptance"][position] > first["expected_acceptance"][position] + 0.01
+
+
+@torch.no_grad()
+def test_held_out_expected_acceptance_is_what_drafting_accepts(exported, tmp_path):
+    """distill's held-out expected acceptance at T=1 is sum_x min(p, q) of the target's p and the q
+    the engine drafts with: checked here at the first draft token, q taken apart from training's code
+    through the engine's drafter, after every prefix of answers the target sampled."""
+    target, tokenizer = build_tiny(TinyModel(seed=0, num_layers=LAYERS)).eval(), byte_tokenizer()
+    pad, taps = padding_id(tokenizer), (1, 2, 3)
+    # the target's whole distribution kept (top_k = the vocabulary): the figure is then exact
+    settings = distillation.DistillSettings(answers_per_prompt=1, synthetic_prompts=0, answer_tokens=16, top_k=VOCAB)
+    torch.manual_seed(0)
+    corpus = distillation.build_corpus(target, tokenizer, PROMPTS[:3], settings, tmp_path)
+    distillation.add_target_features(target, corpus, pad, tmp_path, taps)
+    draft = copy.deepcopy(exported.draft)
+    to_subset = torch.full((VOCAB,), -1)
+    to_subset[draft.lm_head.token_ids] = torch.arange(DRAFT_VOCAB)
+    [measured] = distillation.evaluate(draft, corpus, pad, to_subset, None, 1)["expected_acceptance"]
+
+    engine, drafter = CachedModel(target, VOCAB, taps), FeatureDrafter(CachedModel(draft, VOCAB))
+    overlaps = []
+    for answer in (a for a in corpus if not a["greedy"]):
+        for t in range(len(answer["answer"])):
+            prefix = answer["prompt"] + answer["answer"][:t]
+            engine.reset(len(prefix))
+            out = engine.forward(torch.tensor([prefix]), hidden=True)
+            drafter.start([prefix], len(prefix) + 1, out.hidden)
+            q = drafter.propose(1, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))[1][0, 0]
+            overlaps.append(torch.minimum(out.logits[0, -1].softmax(-1), q).sum().item())
+    assert len(overlaps) > 20 and measured > 0.05
+    assert measured == pytest.approx(sum(overlaps) / len(overlaps), abs=2e-3)
 
 
 def drafts(pair, prompt_ids: list[int], params: SamplingParams, gamma: int = 3):
