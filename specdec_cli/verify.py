@@ -541,7 +541,8 @@ DEFAULT_PROMPTS = [
     "List three facts about the moon, one per line.",
 ]
 SMALL_MODEL_PARAMETERS = 50_000_000
-# speculative runs per prompt: the tiny pair affords many; a 100M+ model on 2 CPU cores ~150 in 2 min
+# speculative runs per prompt: the tiny pair affords many; for a 100M+ model on a small CPU, 150 runs
+# already take minutes (docs/experiments/2026-11-29-shipped-draft.md, "verify-distribution")
 DEFAULT_SAMPLES = {"small": 1000, "large": 150}
 SAMPLER_DRAWS_PER_RUN = 10  # the sampler alone is cheap: test it with more draws than model runs
 MIN_SAMPLER_DRAWS = 3000

@@ -28,7 +28,7 @@ TARGET = {"tiny": {"seed": 0, "num_layers": 2}}
 HEADS, BLOCK_SIZE, MASK = 3, 4, 256  # 3 Medusa heads; DFlash blocks of 4 (3 drafts), MASK = <s>
 SAMPLED = SamplingParams(temperature=1.0)
 # the std of Medusa's heads and the scale of DFlash's final norm: logits of std about 1.2, so drafts
-# are accepted now and then (7% at T=1) and each position's q is its own (the broken variant fails)
+# are accepted now and then at T=1 and each position's q is its own (the broken variant fails)
 HEAD_STD, NORM = 0.15, 0.8
 PROMPTS = ["Hello there, how are you?", "H", "abc abc abc abc", "Once upon a time, in a land far away"]
 

@@ -9,8 +9,8 @@ also a draft step, so lookup blocks may pay off longer. Greedy, a lookup token i
 is the target's argmax, and lookup blocks are drafted at their full length. Sampled, it is kept only
 with the target's probability of it, so lookup blocks start at the model's length and double after
 one is accepted whole (back to the start after one that is not): long blocks while the answer copies
-its context, short ones elsewhere, as verification width is not free (on CPU a 4-token forward
-costs ~1.3x a 3-token one).
+its context, short ones elsewhere, as verification width is not free: on CPU a forward's cost jumps
+past a few tokens (docs/experiments/2026-12-02-sampled-lookup-blocks.md).
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ def draft_token(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The next draft token per row [B] from the draft's last logits [B, V], and q [B, V] (None when
     greedy). `subset`: the token ids a draft's head scores (every other logit is -inf): warping and
-    drawing over them alone gives the same q and is several times cheaper than over all V."""
+    drawing over them alone gives the same q and is several times cheaper than over all V
+    (docs/experiments/2026-12-02-feature-draft-subset-sampling.md)."""
     if params.greedy:
         return logits.argmax(dim=-1), None
     if subset is None:

@@ -1,16 +1,14 @@
 """Decoding-shaped matrix products on CPU in float32, taken whichever way is faster on this machine.
 
 A decoding forward multiplies every weight matrix W [out, in] by one to a few token rows x [n, in].
-Which kernel is fastest at that shape depends on the CPU: on 2-core AMD EPYCs with torch 2.13,
-torch's F.linear (x @ W.T) was slow there (SmolLM2-135M forwards of 1 / 2 / 3 / 5 tokens took 55-65 /
-93-108 / 112-142 / 76-83 ms, and 33-38 / 33-45 / 43-48 / 48-55 ms taken as W @ x.T with at least two
-columns), while on a 2-core Intel Xeon with AMX the same W @ x.T detour made 1- and 4-token forwards
-2.0x and 1.4x slower than F.linear (101 against 50 ms, 103 against 72). So the first CPU float32 model
-a process loads times both products over its own weight matrices, and the faster one serves every
-product of up to `MAX_ROWS` rows in that process (the target and its draft alike); elsewhere (GPUs,
-half precision, prefill, training batches) F.linear stays. The results differ in the last bits only
-(another summation order), and the target-only baseline goes through the same path as speculative
-decoding, so benchmark ratios compare like with like.
+Which kernel is fastest at that shape depends on the CPU: on some, torch's F.linear (x @ W.T) is slow
+at it and W @ x.T (a lone row doubled) is far faster; on others that detour is the slower one
+(docs/experiments/2026-12-02-decode-matmul.md). No fixed choice suits every machine, so the first CPU
+float32 model a process loads times both products over its own weight matrices, and the faster one
+serves every product of up to `MAX_ROWS` rows in that process (the target and its draft alike);
+elsewhere (GPUs, half precision, prefill, training batches) F.linear stays. The results differ in the
+last bits only (another summation order), and the target-only baseline goes through the same path as
+speculative decoding, so benchmark ratios compare like with like.
 """
 
 from __future__ import annotations

@@ -178,7 +178,7 @@ def init_draft(
             mine.load_state_dict(target.model.layers[theirs].state_dict())
         draft.model.norm.load_state_dict(target.model.norm.state_dict())
         # embedding + state, the state scaled to the embedding's size: the final norm's output is
-        # ~15x larger on SmolLM2, and would drown the token at the start of training
+        # far larger than the embedding (SmolLM2's is), and would drown the token at the start of training
         width = config.hidden_size
         scale = rms(target.get_input_embeddings().weight) / rms(target.model.norm.weight)
         state = torch.zeros(width, width) if zero_features else scale * torch.eye(width)
