@@ -36,7 +36,7 @@ from transformers import (
 from specdec_cli.config import ModelSpec, TinyModel
 from specdec_cli.errors import FetchError, SpecdecError
 from specdec_cli.models.decode_matmul import use_decode_matmul
-from specdec_cli.models.formats import PICKLES, load_format
+from specdec_cli.models.formats import WEIGHTS, index_files, load_format, tier_files
 
 
 @dataclass(frozen=True)
@@ -54,9 +54,10 @@ BUILTIN_MODELS = {
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
-# what a draft's loader, its tokenizer and trusted remote code (*.py) read; weights: safetensors, else
-# PICKLES. Top level only, as the loaders read it: subfolders hold other copies (original/*.pth, onnx/)
-HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"]
+# what a draft's config, shard indexes, tokenizer and trusted remote code (*.py) are in; its weights
+# are the first tier of formats.WEIGHTS the repository has. Top level only, as the loaders read it:
+# subfolders hold other copies (original/*.pth, onnx/)
+HUB_FILES = ["*.json", "*.model", "*.txt", "*.jinja", "*.py"]
 
 
 def cache_dir() -> Path:
@@ -150,7 +151,8 @@ def fetch_builtin(name: str) -> Path:
 
 def fetch_hub(repo_id: str, revision: str | None) -> Path:
     """A hub repository's files that a draft loader reads, in the hub cache (HF_HOME and HF_HUB_OFFLINE
-    apply); pickles only where it has no safetensors, as many repositories ship both."""
+    apply): its weights are the shards an index lists or the files of the first tier of weights it
+    has (pickles only where it has no safetensors, as many repositories ship both)."""
 
     def download(patterns: list[str]) -> Path:
         files = huggingface_hub.snapshot_download(
@@ -160,8 +162,10 @@ def fetch_hub(repo_id: str, revision: str | None) -> Path:
 
     try:
         folder = download(HUB_FILES)
-        if not any(folder.glob("*.safetensors")):
-            folder = download(list(PICKLES))
+        for index, patterns in WEIGHTS:
+            folder = download(index_files(folder / index) or list(patterns))
+            if tier_files(folder, index, patterns):
+                break
     except (OSError, ValueError) as exc:  # the hub's errors: unreachable, offline, no such repo or revision
         # two lines: an HTTP error gives its status first ("404 Client Error."), then what was not found
         raise FetchError(f"cannot fetch {repo_id} from the Hugging Face hub: {first_lines(exc, 2)}") from None
