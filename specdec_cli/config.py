@@ -216,10 +216,29 @@ def load_config(name_or_path: str | None) -> Config:
         raise SpecdecError(f"config {path}: cannot read: {exc.strerror}") from None
     config = parse_config(data, source=str(path))
     for spec in (config.target, config.draft):
-        # a relative checkpoint path is relative to the config file, when it exists there
-        if spec.checkpoint and (path.parent / spec.checkpoint).exists():
-            spec.checkpoint = str((path.parent / spec.checkpoint).resolve())
+        local = spec.checkpoint and local_path(spec.checkpoint, path.parent)
+        if local:
+            spec.checkpoint = str(local)
     return config
+
+
+def local_path(name: str, folder: Path) -> Path | None:
+    """The path a checkpoint name means, relative to `folder` (a config's), or None for a name that is
+    no path: a built-in name, or a hub id (`owner/name` where no `owner` folder is here or in the
+    working directory). A name that exists there, starts with `.`, `/` or `~`, has more than one `/`
+    or ends with `.gguf` is a path."""
+    path = (folder / Path(name).expanduser()).resolve()
+    owner = name.split("/")[0] if name.count("/") == 1 else None
+    if (
+        path.exists()
+        or name.startswith((".", "/", "~"))
+        or name.count("/") > 1
+        or name.endswith(".gguf")
+        or owner
+        and any((base / owner).is_dir() for base in (folder, Path.cwd()))
+    ):
+        return path
+    return None
 
 
 def apply_overrides(config: Config, overrides: dict[str, Any]) -> Config:

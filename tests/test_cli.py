@@ -127,7 +127,7 @@ def assert_one_line_error(result, *fragments: str, code: int = EXIT_BAD_INPUT):
         ),
         ({"runtime": {"dtype": "float8"}}, ["dtype must be"]),
         ({"draft": {"checkpoint": "/nonexistent/model"}}, ["checkpoint not found: /nonexistent/model"]),
-        ({"draft": {"checkpoint": "missing.gguf"}}, ["checkpoint not found: missing.gguf"]),
+        ({"draft": {"checkpoint": "missing.gguf"}}, ["checkpoint not found: /", "/missing.gguf"]),
         ({"draft": {}}, ["`draft` needs exactly one of"]),
         ({"target": {"tiny": {"max_position_embeddings": 20}}}, ["exceeds the target's context of 20"]),
     ],

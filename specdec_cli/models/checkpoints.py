@@ -33,7 +33,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from specdec_cli.config import ModelSpec, TinyModel
+from specdec_cli.config import ModelSpec, TinyModel, local_path
 from specdec_cli.errors import FetchError, SpecdecError
 from specdec_cli.models.decode_matmul import use_decode_matmul
 from specdec_cli.models.formats import WEIGHTS, index_files, load_format, tier_files
@@ -111,22 +111,27 @@ def first_lines(exc: Exception, count: int = 1) -> str:
 
 def resolve_checkpoint(name: str, revision: str | None = None, fetch: bool = False) -> str:
     """A folder (or hub id) that `from_pretrained` can read, fetching or converting as needed; `fetch`:
-    a hub id is downloaded too (a draft's, whose format `from_pretrained` may not read)."""
+    a hub id is downloaded too (a draft's, whose format `from_pretrained` may not read). A config's
+    relative paths were made absolute against its folder; others are relative to the working directory."""
     if name in BUILTIN_MODELS:
         return str(fetch_builtin(name))
-    path = Path(name).expanduser()
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise SpecdecError(f"checkpoint not found: {name}")
-        return str(convert_gguf(path))
-    if path.is_dir():
-        return str(path)
-    if HUB_ID.match(name) and not name.startswith("."):
+    path = local_path(name, Path.cwd())
+    if path is None:
+        if not HUB_ID.match(name):
+            known = ", ".join(BUILTIN_MODELS)
+            raise SpecdecError(
+                f"checkpoint not found: {name} (not a folder, a .gguf file, a hub id owner/name, or a built-in "
+                f"name: {known})"
+            )
         return str(fetch_hub(name, revision)) if fetch else name  # else from_pretrained fetches it
-    known = ", ".join(BUILTIN_MODELS)
-    raise SpecdecError(
-        f"checkpoint not found: {name} (not a folder, a .gguf file, a hub id, or a built-in name: {known})"
-    )
+    if not path.exists():
+        raise SpecdecError(f"checkpoint not found: {path}")
+    if path.suffix == ".gguf" and path.is_file():
+        return str(convert_gguf(path))
+    if not (path / "config.json").is_file():
+        what = "no config.json" if path.is_dir() else "a file, not a folder or a .gguf file"
+        raise SpecdecError(f"checkpoint {path}: not a model folder ({what})")
+    return str(path)
 
 
 def fetch_builtin(name: str) -> Path:
