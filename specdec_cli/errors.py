@@ -1,6 +1,11 @@
 """Errors a user can cause: the CLI prints them as one line and exits with the code given."""
 
-EXIT_BAD_INPUT = 2  # malformed config, bad flags, missing checkpoint, empty prompt
+from __future__ import annotations
+
+import re
+import sys
+
+EXIT_BAD_INPUT = 2  # malformed config, bad flags, missing checkpoint, empty prompt, out of memory
 EXIT_CHECK_FAILED = 3  # a statistical or greedy-identity check failed (verify-distribution)
 EXIT_GATE_FAILED = 4  # a benchmark gate (--min-speedup, --min-accept-length) was not met
 
@@ -15,3 +20,27 @@ class SpecdecError(Exception):
 
 class FetchError(SpecdecError):
     """A checkpoint that could not be downloaded (no registry or hub reachable from here)."""
+
+
+def out_of_memory(exc: Exception) -> SpecdecError | None:
+    """torch running out of memory (CUDA's OutOfMemoryError, the CPU allocator's RuntimeError, raised
+    wherever the models, caches or batches are allocated) as one line with what to try; else None."""
+    torch = sys.modules.get("torch")  # whatever ran out of memory loaded it; the CLI starts without it
+    if torch is None or not isinstance(exc, RuntimeError):
+        return None
+    text = str(exc)
+    if isinstance(exc, torch.OutOfMemoryError):
+        size = re.search(r"Tried to allocate ([\d.]+ \w+)", text)
+        free = re.search(r"(GPU \d+) has a total capacity of ([\d.]+ \w+) of which ([\d.]+ \w+) is free", text)
+        where = f"{free[1]} ({free[3]} free of {free[2]})" if free else "the GPU"
+        size = size[1] if size else None
+    elif "DefaultCPUAllocator: can't allocate memory" in text:
+        size = re.search(r"allocate (\d+) bytes", text)
+        where, size = "the CPU", size and f"{int(size[1]) / 2**30:.2f} GiB"
+    else:
+        return None
+    tried = f" allocating {size}" if size else ""
+    return SpecdecError(
+        f"out of memory on {where}{tried}: try fewer prompts at once (--batch-size), shorter prompts or a "
+        f"smaller --max-new-tokens, or a smaller --dtype (bfloat16 or float16 halve float32's memory)"
+    )

@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from specdec_cli.config import DEFAULT_CONFIG, Config, apply_overrides, load_config
-from specdec_cli.errors import SpecdecError
+from specdec_cli.errors import SpecdecError, out_of_memory
 
 EXIT_INTERRUPTED = 130
 
@@ -57,11 +57,11 @@ def reports_errors(command):
         except Exception as exc:
             if os.environ.get("SPECDEC_DEBUG"):
                 raise
-            known = isinstance(exc, SpecdecError)
-            message = " ".join(str(exc).split()) if known else f"{type(exc).__name__}: {exc}"
+            known = exc if isinstance(exc, SpecdecError) else out_of_memory(exc)
+            message = " ".join(str(known).split()) if known else f"{type(exc).__name__}: {exc}"
             hint = "" if known else " (internal error; set SPECDEC_DEBUG=1 for the traceback)"
             print(f"Error: {message}{hint}", file=sys.stderr)
-            raise typer.Exit(exc.exit_code if known else 1) from None
+            raise typer.Exit(known.exit_code if known else 1) from None
 
     return wrapper
 

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import yaml
 from conftest import cached
+from typer.testing import CliRunner
 
+from specdec_cli.cli import app
 from specdec_cli.config import TinyModel
 from specdec_cli.decoding.engine import SpeculativeDecoder
 from specdec_cli.decoding.metrics import acceptance_rate
@@ -72,3 +75,22 @@ def test_batch_rows_are_their_prompts_alone_on_cuda(tokenizer):
     alone = [decode(target, None, p, SamplingParams(), max_new=24).token_ids for p in prompts]
     decoder = SpeculativeDecoder(cached(target), ModelDrafter(cached(draft)), SamplingParams(), 3, set())
     assert [r.token_ids for r in decoder.generate_batch(prompts, 24, 0)] == alone
+
+
+def test_running_out_of_gpu_memory_is_one_line(tmp_path):
+    """A context the tiny target allows but no GPU holds: the KV cache allocation on the device fails."""
+    huge = 10**12
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "target": {"tiny": {"seed": 0, "max_position_embeddings": 2 * huge}},
+                "draft": {"tiny": {"seed": 0, "noise": 0.005}},
+                "runtime": {"device": "cuda", "dtype": "float32"},
+            }
+        )
+    )
+    result = CliRunner().invoke(app, ["generate", "-c", str(config), "-p", "Hi", "--max-new-tokens", str(huge)])
+    assert result.exit_code == 2, result.output
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("Error: out of memory on GPU 0 (") and "--max-new-tokens" in line, line

@@ -486,7 +486,7 @@ def load_eagle3(folder: DraftFolder, target: PreTrainedModel, dtype: torch.dtype
 FORMATS: dict[str, Format] = {
     "specdec": Format(
         claims=lambda folder: (folder.path / DRAFT_INFO).is_file(),
-        load=lambda folder, target, dtype: load_draft(folder.path, target, dtype),
+        load=lambda folder, target, dtype: load_draft(folder.path, folder.weights, target, dtype),
     ),
     # block drafts (drafters/block.py, drafters/medusa.py)
     "dflash": Format(claims=dflash.recognise, load=dflash.load, architectures=(dflash.ARCHITECTURE,)),
