@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import sys
+from pathlib import Path
 
 EXIT_BAD_INPUT = 2  # malformed config, bad flags, missing checkpoint, empty prompt, out of memory
 EXIT_CHECK_FAILED = 3  # a statistical or greedy-identity check failed (verify-distribution)
@@ -37,6 +38,8 @@ def out_of_memory(exc: Exception) -> SpecdecError | None:
     elif "DefaultCPUAllocator: can't allocate memory" in text:
         size = re.search(r"allocate (\d+) bytes", text)
         where, size = "the CPU", size and f"{int(size[1]) / 2**30:.2f} GiB"
+    elif "Storage size calculation overflowed" in text:  # refused before any device is asked
+        where, size = "any device", "more than 2**63 bytes"
     else:
         return None
     tried = f" allocating {size}" if size else ""
@@ -44,3 +47,21 @@ def out_of_memory(exc: Exception) -> SpecdecError | None:
         f"out of memory on {where}{tried}: try fewer prompts at once (--batch-size), shorter prompts or a "
         f"smaller --max-new-tokens, or a smaller --dtype (bfloat16 or float16 halve float32's memory)"
     )
+
+
+def read_text(what: str, path: Path | None = None) -> str:
+    """Text the user gives, the file `path` or stdin (None), as UTF-8; `what` names it. A file that
+    is missing or unreadable, or bytes that are not UTF-8, are one line instead of a traceback."""
+    source = f"{what} {path}" if path else what
+    try:
+        return path.read_text(encoding="utf-8") if path else sys.stdin.read()
+    except FileNotFoundError:
+        raise SpecdecError(f"{source} not found") from None
+    except OSError as exc:
+        raise SpecdecError(f"cannot read {source}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        utf16 = ", it looks like UTF-16" if exc.object[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
+        raise SpecdecError(
+            f"{source} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}{utf16}): "
+            f"save it as UTF-8"
+        ) from None

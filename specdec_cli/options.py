@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from specdec_cli.config import DEFAULT_CONFIG, Config, apply_overrides, load_config
-from specdec_cli.errors import SpecdecError, out_of_memory
+from specdec_cli.errors import SpecdecError, out_of_memory, read_text
 
 EXIT_INTERRUPTED = 130
 
@@ -75,10 +75,7 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     if (prompt is None) == (prompt_file is None):
         raise SpecdecError("give exactly one of --prompt TEXT (or - for stdin) and --prompt-file PATH")
     if prompt == "-":
-        return sys.stdin.read()
+        return read_text("the prompt on stdin")
     if prompt_file is not None:
-        try:
-            return prompt_file.read_text()
-        except OSError as exc:
-            raise SpecdecError(f"cannot read prompt file {prompt_file}: {exc.strerror}") from None
+        return read_text("prompt file", prompt_file)
     return prompt

@@ -142,3 +142,11 @@ def test_cuda_out_of_memory_reads_as_one_line_with_the_gpu_and_what_to_try():
     assert error.exit_code == EXIT_BAD_INPUT
     assert str(error).startswith("out of memory on GPU 0 (1.20 GiB free of 139.72 GiB) allocating 2.00 GiB: try ")
     assert out_of_memory(RuntimeError("shape mismatch")) is None and out_of_memory(ValueError("x")) is None
+
+
+@pytest.mark.parametrize("text", ["[]", '"a string"'])
+def test_a_config_json_that_is_no_mapping_is_named(tmp_path, text):
+    folder = plain_model(tmp_path / "model")
+    (folder / "config.json").write_text(text)
+    config = write_pair(tmp_path, draft={"checkpoint": "model"})
+    assert the_error(generate(config)) == f"Error: {folder / 'config.json'}: not a JSON object"

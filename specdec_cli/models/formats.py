@@ -201,9 +201,12 @@ def load_format(
     if not (path / "config.json").is_file():
         return None
     try:
-        folder = DraftFolder(path, json.loads((path / "config.json").read_text()))
+        config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise SpecdecError(f"{path / 'config.json'}: cannot read: {exc}") from None
+    if not isinstance(config, dict):
+        raise SpecdecError(f"{path / 'config.json'}: not a JSON object")
+    folder = DraftFolder(path, config)
     name = recognise(folder)
     if name is not None:
         if target is None:
