@@ -255,6 +255,8 @@ def apply_overrides(config: Config, overrides: dict[str, Any]) -> Config:
 
 MAX_DRAFT_TOKENS = 256  # tokens one target forward verifies, at most
 INT_LIMIT = 2**62  # torch's sizes and seeds are 64-bit integers, and sums of two settings must stay so
+TINY_PARAMETERS = 2**30  # a tiny model is for tests and smoke runs: 4 GiB in float32 at most
+BYTE_VOCAB = 258  # the byte tokenizer's (models/checkpoints.py), which tiny models use
 TINY_SIZES = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_position_embeddings")
 
 
@@ -328,6 +330,10 @@ def check_tiny(tiny: TinyModel, where: str) -> None:
                 f"config: `{where}.{whole}` ({getattr(tiny, whole)}) must be a multiple of `{part}` "
                 f"({getattr(tiny, part)})"
             )
+    width, layer = tiny.hidden_size, 4 * tiny.hidden_size**2 + 3 * tiny.hidden_size * tiny.intermediate_size
+    parameters = tiny.num_layers * layer + 2 * BYTE_VOCAB * width  # at most: k/v may be narrower
+    if parameters > TINY_PARAMETERS:  # layer after small layer would be built until memory ran out
+        raise SpecdecError(f"config: `{where}` is no tiny model: {parameters:.2g} parameters (at most 2**30)")
     if tiny.hidden_size // tiny.num_heads % 2:
         raise SpecdecError(
             f"config: `{where}` heads are {tiny.hidden_size // tiny.num_heads} wide (hidden_size / num_heads): "
