@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -16,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from specdec_cli.errors import SpecdecError
+from specdec_cli.errors import SpecdecError, read_text
 
 DEFAULT_CONFIG = "smollm2-draft"  # name of a file in configs/
 
@@ -162,7 +164,7 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
 def _build(cls: type, data: dict, where: str) -> Any:
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls) if f.name != "source"}
-    unknown = sorted(set(data) - fields)
+    unknown = sorted(str(k) for k in set(data) - fields)  # YAML keys may be numbers or null too
     if unknown:
         prefix = f"{where}." if where else ""
         names = ", ".join(f"`{prefix}{k}`" for k in unknown)
@@ -206,20 +208,37 @@ def find_config(name_or_path: str | None) -> Path:
 def load_config(name_or_path: str | None) -> Config:
     path = find_config(name_or_path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(read_text("config", path))
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or "invalid YAML"
         raise SpecdecError(f"config {path}: malformed YAML{at}: {problem}") from None
-    except OSError as exc:
-        raise SpecdecError(f"config {path}: cannot read: {exc.strerror}") from None
     config = parse_config(data, source=str(path))
     for spec in (config.target, config.draft):
-        # a relative checkpoint path is relative to the config file, when it exists there
-        if spec.checkpoint and (path.parent / spec.checkpoint).exists():
-            spec.checkpoint = str((path.parent / spec.checkpoint).resolve())
+        local = spec.checkpoint and local_path(spec.checkpoint, path.parent)
+        if local:
+            spec.checkpoint = str(local)
     return config
+
+
+def local_path(name: str, folder: Path) -> Path | None:
+    """The path a checkpoint name means, relative to `folder` (a config's), or None for a name that is
+    no path: a built-in name, or a hub id (`owner/name` where no `owner` folder is here or in the
+    working directory). A name that exists there, starts with `.`, `/` or `~`, has more than one `/`
+    or ends with `.gguf` is a path."""
+    path = (folder / Path(name).expanduser()).resolve()
+    owner = name.split("/")[0] if name.count("/") == 1 else None
+    if (
+        path.exists()
+        or name.startswith((".", "/", "~"))
+        or name.count("/") > 1
+        or name.endswith(".gguf")
+        or owner
+        and any((base / owner).is_dir() for base in (folder, Path.cwd()))
+    ):
+        return path
+    return None
 
 
 def apply_overrides(config: Config, overrides: dict[str, Any]) -> Config:
@@ -234,6 +253,13 @@ def apply_overrides(config: Config, overrides: dict[str, Any]) -> Config:
     return config
 
 
+MAX_DRAFT_TOKENS = 256  # tokens one target forward verifies, at most
+INT_LIMIT = 2**62  # torch's sizes and seeds are 64-bit integers, and sums of two settings must stay so
+TINY_PARAMETERS = 2**30  # a tiny model is for tests and smoke runs: 4 GiB in float32 at most
+BYTE_VOCAB = 258  # the byte tokenizer's (models/checkpoints.py), which tiny models use
+TINY_SIZES = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_position_embeddings")
+
+
 def validate(config: Config) -> None:
     """Range checks that types alone do not catch. Runs after overrides, so flags are checked too."""
     s = config.sampling
@@ -243,8 +269,13 @@ def validate(config: Config) -> None:
         raise SpecdecError(f"top_p must be in (0, 1], got {s.top_p}")
     if s.top_k < 0:
         raise SpecdecError(f"top_k must be >= 0 (0 disables it), got {s.top_k}")
-    if config.speculation.num_draft_tokens < 1:
-        raise SpecdecError(f"num_draft_tokens must be >= 1, got {config.speculation.num_draft_tokens}")
+    lookup_tokens = config.draft.lookup.num_draft_tokens if config.draft.lookup else None
+    for name, tokens in (
+        ("num_draft_tokens", config.speculation.num_draft_tokens),
+        ("lookup num_draft_tokens", lookup_tokens),
+    ):
+        if tokens is not None and not 1 <= tokens <= MAX_DRAFT_TOKENS:
+            raise SpecdecError(f"{name} must be between 1 and {MAX_DRAFT_TOKENS}, got {tokens}")
     if not 0 <= config.speculation.confidence_threshold < 1:
         raise SpecdecError(
             f"confidence_threshold must be in [0, 1) (0 always drafts), got {config.speculation.confidence_threshold}"
@@ -254,21 +285,61 @@ def validate(config: Config) -> None:
     r = config.runtime
     if r.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise SpecdecError(f"dtype must be auto, float32, bfloat16 or float16, got {r.dtype!r}")
-    if not (r.device in ("auto", "cpu", "cuda") or r.device.startswith("cuda:")):
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", r.device):
         raise SpecdecError(f"device must be auto, cpu, cuda or cuda:N, got {r.device!r}")
-    if r.threads is not None and r.threads < 1:
-        raise SpecdecError(f"threads must be >= 1, got {r.threads}")
+    cpus = os.cpu_count() or 1
+    if r.threads is not None and not 1 <= r.threads <= cpus:
+        raise SpecdecError(f"threads must be between 1 and {cpus} (the CPUs of this machine), got {r.threads}")
     for role, spec in (("target", config.target), ("draft", config.draft)):
         sources = [s for s in ("checkpoint", "tiny", "ngram") if getattr(spec, s, None) is not None]
         allowed = "`checkpoint`, `tiny` or `ngram`" if role == "draft" else "`checkpoint` or `tiny`"
         if len(sources) != 1:
             raise SpecdecError(f"config: `{role}` needs exactly one of {allowed}, got {sources or 'none'}")
+        if spec.checkpoint is not None and not spec.checkpoint.strip():
+            raise SpecdecError(f"config: `{role}.checkpoint` is empty")
+        if spec.tiny is not None:
+            check_tiny(spec.tiny, f"{role}.tiny")
     for name in ("ngram", "lookup"):
         sizes = getattr(config.draft, name)
         if sizes and not 1 <= sizes.min_n <= sizes.max_n:
             raise SpecdecError(f"{name} sizes need 1 <= min_n <= max_n, got {sizes.min_n}..{sizes.max_n}")
     if config.draft.lookup and config.draft.ngram:
         raise SpecdecError("config: `draft.lookup` goes with a draft model; an `ngram` drafter looks up already")
-    lookup_tokens = config.draft.lookup.num_draft_tokens if config.draft.lookup else None
-    if lookup_tokens is not None and lookup_tokens < 1:
-        raise SpecdecError(f"lookup num_draft_tokens must be >= 1, got {lookup_tokens}")
+    check_ints(config)  # the settings no check above bounds
+
+
+def check_ints(settings: Any, where: str = "") -> None:
+    """Every integer setting, however deep, within +-INT_LIMIT."""
+    for f in dataclasses.fields(settings):
+        value, key = getattr(settings, f.name), f"{where}.{f.name}" if where else f.name
+        if dataclasses.is_dataclass(value):
+            check_ints(value, key)
+        elif isinstance(value, int) and not isinstance(value, bool) and abs(value) >= INT_LIMIT:
+            raise SpecdecError(f"`{key}` must be between -2**62 and 2**62, got {value}")
+
+
+def check_tiny(tiny: TinyModel, where: str) -> None:
+    """What transformers needs of a Llama config (it divides the width into heads of an even width,
+    rotated in pairs, and the heads into key/value groups) and a finite init."""
+    for name in TINY_SIZES:
+        if getattr(tiny, name) < 1:
+            raise SpecdecError(f"config: `{where}.{name}` must be >= 1, got {getattr(tiny, name)}")
+    for whole, part in (("hidden_size", "num_heads"), ("num_heads", "num_kv_heads")):
+        if getattr(tiny, whole) % getattr(tiny, part):
+            raise SpecdecError(
+                f"config: `{where}.{whole}` ({getattr(tiny, whole)}) must be a multiple of `{part}` "
+                f"({getattr(tiny, part)})"
+            )
+    width, layer = tiny.hidden_size, 4 * tiny.hidden_size**2 + 3 * tiny.hidden_size * tiny.intermediate_size
+    parameters = tiny.num_layers * layer + 2 * BYTE_VOCAB * width  # at most: k/v may be narrower
+    if parameters > TINY_PARAMETERS:  # layer after small layer would be built until memory ran out
+        raise SpecdecError(f"config: `{where}` is no tiny model: {parameters:.2g} parameters (at most 2**30)")
+    if tiny.hidden_size // tiny.num_heads % 2:
+        raise SpecdecError(
+            f"config: `{where}` heads are {tiny.hidden_size // tiny.num_heads} wide (hidden_size / num_heads): "
+            f"rotary embeddings need an even width"
+        )
+    if not 0 <= tiny.init_std <= 1:
+        raise SpecdecError(f"config: `{where}.init_std` must be in [0, 1], got {tiny.init_std}")
+    if not math.isfinite(tiny.noise) or tiny.noise < 0:
+        raise SpecdecError(f"config: `{where}.noise` must be a finite number >= 0, got {tiny.noise}")

@@ -12,7 +12,7 @@ import typer
 
 from specdec_cli import records
 from specdec_cli.config import DEFAULT_CONFIG, Config, apply_overrides, load_config
-from specdec_cli.errors import SpecdecError
+from specdec_cli.errors import SpecdecError, out_of_memory, read_text
 
 EXIT_INTERRUPTED = 130
 
@@ -63,11 +63,11 @@ def reports_errors(command):
         except Exception as exc:
             if os.environ.get("SPECDEC_DEBUG"):
                 raise
-            known = isinstance(exc, SpecdecError)
-            message = " ".join(str(exc).split()) if known else f"{type(exc).__name__}: {exc}"
+            known = exc if isinstance(exc, SpecdecError) else out_of_memory(exc)
+            message = " ".join(str(known).split()) if known else f"{type(exc).__name__}: {exc}"
             hint = "" if known else " (internal error; set SPECDEC_DEBUG=1 for the traceback)"
             print(f"Error: {message}{hint}", file=sys.stderr)
-            raise typer.Exit(exc.exit_code if known else 1) from None
+            raise typer.Exit(known.exit_code if known else 1) from None
 
     return wrapper
 
@@ -83,10 +83,7 @@ def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     if (prompt is None) == (prompt_file is None):
         raise SpecdecError("give exactly one of --prompt TEXT (or - for stdin) and --prompt-file PATH")
     if prompt == "-":
-        return sys.stdin.read()
+        return read_text("the prompt on stdin")
     if prompt_file is not None:
-        try:
-            return prompt_file.read_text()
-        except OSError as exc:
-            raise SpecdecError(f"cannot read prompt file {prompt_file}: {exc.strerror}") from None
+        return read_text("prompt file", prompt_file)
     return prompt

@@ -8,8 +8,11 @@ import time
 
 import pytest
 import torch
+import yaml
 from conftest import cached
+from typer.testing import CliRunner
 
+from specdec_cli.cli import app
 from specdec_cli.config import TinyModel
 from specdec_cli.decoding.engine import SpeculativeDecoder
 from specdec_cli.decoding.metrics import acceptance_rate
@@ -86,3 +89,22 @@ def test_decode_is_timed_on_the_pairs_gpu(tokenizer):
     result = decoder.generate(tokenizer.encode(PROMPT), 48, 0)
     wall = time.perf_counter() - start
     assert 0.3 * wall < result.decode_seconds <= wall
+
+
+def test_running_out_of_gpu_memory_is_one_line(tmp_path):
+    """A context the tiny target allows but no GPU holds: the KV cache allocation on the device fails."""
+    huge = 10**12
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "target": {"tiny": {"seed": 0, "max_position_embeddings": 2 * huge}},
+                "draft": {"tiny": {"seed": 0, "noise": 0.005}},
+                "runtime": {"device": "cuda", "dtype": "float32"},
+            }
+        )
+    )
+    result = CliRunner().invoke(app, ["generate", "-c", str(config), "-p", "Hi", "--max-new-tokens", str(huge)])
+    assert result.exit_code == 2, result.output
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("Error: out of memory on GPU 0 (") and "--max-new-tokens" in line, line

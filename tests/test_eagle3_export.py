@@ -27,7 +27,7 @@ from specdec_cli.errors import EXIT_BAD_INPUT
 from specdec_cli.models.checkpoints import build_tiny, byte_tokenizer
 from specdec_cli.models.eagle3_draft import INFO
 from specdec_cli.models.feature_draft import DRAFT_INFO
-from specdec_cli.models.formats import FORMATS, DraftFolder
+from specdec_cli.models.formats import DraftFolder, recognise
 from specdec_cli.models.pair import load_pair
 from specdec_cli.models.tokens import padding_id
 
@@ -117,7 +117,7 @@ def test_the_folder_is_in_eagle3_layout(exported):
     # recognised as an EAGLE-3 draft, not as specdec's own: its record has another name
     assert not (exported.out / DRAFT_INFO).exists() and exported.info["format"] == "eagle3"
     folder = DraftFolder(exported.out, config)
-    assert next(name for name, fmt in FORMATS.items() if fmt.recognise(folder)) == "eagle3"
+    assert recognise(folder) == "eagle3"
 
 
 def test_every_trained_position_improves(exported):

@@ -28,8 +28,9 @@ from specdec_cli.cli import app
 from specdec_cli.config import TinyModel, load_config
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.errors import EXIT_BAD_INPUT
-from specdec_cli.models.checkpoints import build_tiny
-from specdec_cli.models.formats import load_format
+from specdec_cli.models.checkpoints import build_tiny, byte_tokenizer
+from specdec_cli.models.feature_draft import FEATURES
+from specdec_cli.models.formats import DRAFT_FORMAT, load_format
 from specdec_cli.models.pair import load_pair
 
 runner = CliRunner()
@@ -412,26 +413,37 @@ def hub(tmp_path, monkeypatch):
     return repos
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "eagle3 sharded"])
 def test_a_hub_id_loads_the_drafts_format_and_decodes_exactly(kind, tmp_path, hub):
     config, weights = eagle_checkpoint() if kind == "eagle" else eagle3_checkpoint()
     repo = write_folder(tmp_path / "repo", config, weights)
     (repo / "README.md").write_text("a model card")
-    if kind == "eagle":  # as SafeAILab publishes EAGLE-1/2: a pickle only
+    if kind == "eagle":  # as SafeAILab publishes EAGLE-1/2: a pickle only, beside a trainer's pickles
         (repo / "model.safetensors").unlink()
         torch.save(weights, repo / "pytorch_model.bin")
+        torch.save(argparse.Namespace(learning_rate=1e-4), repo / "training_args.bin")
+        torch.save({"state": {}}, repo / "optimizer.pt")
         fetched = ["config.json", "pytorch_model.bin"]
-    else:  # the weights also as a pickle and in a subfolder: only the safetensors are fetched
+    elif kind == "eagle3":  # the weights also as a pickle and in a subfolder: only the safetensors are fetched
         torch.save(weights, repo / "pytorch_model.bin")
         (repo / "original").mkdir()
         torch.save(weights, repo / "original" / "consolidated.00.pth")
         fetched = ["config.json", "model.safetensors"]
+    else:  # shards listed by an index, and the same tensors once more in one file: only the shards
+        (repo / "model.safetensors").rename(repo / "consolidated.safetensors")
+        shards = {"model-00001-of-00002.safetensors": sorted(weights)[:5]}
+        shards["model-00002-of-00002.safetensors"] = sorted(weights)[5:]
+        for file, names in shards.items():
+            save_file({k: weights[k].contiguous() for k in names}, repo / file)
+        index = {"weight_map": {k: file for file, names in shards.items() for k in names}}
+        (repo / "model.safetensors.index.json").write_text(json.dumps(index))
+        fetched = ["config.json", *shards, "model.safetensors.index.json"]
     hub["someone/draft"] = repo
     pair = load_pair(
         load_config(str(write_pair(tmp_path, None, draft={"checkpoint": "someone/draft", "revision": "v1"})))
     )
     assert sorted(p.name for p in (tmp_path / "hub" / "someone" / "draft" / "v1").rglob("*")) == fetched
-    assert pair.draft_description.startswith(f"{kind} draft, reads the target's")
+    assert pair.draft_description.startswith(f"{kind.split()[0]} draft, reads the target's")
     ids, greedy = pair.encode(PROMPT, raw=True), SamplingParams(0.0)
     speculative = pair.decoder(greedy).generate(ids, 24, 0, ignore_eos=True).token_ids
     assert speculative == pair.decoder(greedy, speculative=False).generate(ids, 24, 0, ignore_eos=True).token_ids
@@ -457,3 +469,59 @@ def test_a_hub_draft_that_cannot_be_fetched_is_one_error_line(tmp_path, hub_env)
     [error] = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
     assert error.startswith("Error: cannot fetch someone/no-such-draft from the Hugging Face hub: "), error
     assert "Traceback" not in done.stderr
+
+
+# ---------------------------------------------------------------- what recognising a folder reads
+
+
+def test_a_plain_model_beside_training_args_loads_as_a_plain_model(tmp_path, target):
+    """A transformers folder with its weights in a pickle and a trainer's `training_args.bin` (a
+    pickle of an object, refused by weights_only) beside it: no format claims it, transformers loads
+    it, the trainer's pickle is never read."""
+    folder = tmp_path / "plain"
+    model = build_tiny(TinyModel(seed=0, num_layers=LAYERS, noise=0.005))
+    model.config.save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    torch.save(argparse.Namespace(learning_rate=1e-4), folder / "training_args.bin")
+    assert load_format(folder, target, torch.float32) is None
+    run = runner.invoke(app, ["generate", "-c", str(write_pair(tmp_path, folder)), "-p", "Hi", "--json"])
+    assert run.exit_code == 0, run.output
+    assert json.loads(run.stdout)["stats"]["new_tokens"] == 24
+
+
+def test_recognising_a_folder_reads_only_the_weights_its_format_names(tmp_path, target):
+    """An EAGLE-1 draft (a plain Llama config: only its tensor names tell) published as a pickle, with
+    an optimizer state and a trainer's pickle beside it that would raise if they were ever opened."""
+    config, weights = eagle_checkpoint()
+    folder = tmp_path / "eagle"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    torch.save(weights, folder / "pytorch_model.bin")
+    for decoy in ("optimizer.pt", "training_args.bin", "rng_state.pth"):
+        (folder / decoy).write_bytes(b"\x80\x02 not a pickle" * 100_000)
+    draft = load_format(folder, target, torch.float32)
+    assert getattr(draft.config, DRAFT_FORMAT) == "eagle"
+    assert torch.equal(getattr(draft, FEATURES).weight, weights["fc.weight"])
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "pickle"])
+def test_shards_that_share_a_tensor_name_are_refused(tmp_path, kind):
+    config, weights = eagle3_checkpoint()
+    names = sorted(weights)
+    first = {k: weights[k] for k in names[: len(names) // 2]}
+    second = {k: weights[k] for k in names[len(names) // 2 :] + ["fc.weight"]}
+    assert "fc.weight" in first  # and in the second shard
+    folder = tmp_path / "draft"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    for i, shard in enumerate((first, second), 1):
+        if kind == "safetensors":
+            save_file({k: v.contiguous() for k, v in shard.items()}, folder / f"model-0000{i}-of-00002.safetensors")
+        else:
+            torch.save(shard, folder / f"pytorch_model-0000{i}-of-00002.bin")
+    run = runner.invoke(app, ["generate", "-c", str(write_pair(tmp_path, folder)), "-p", "Hi"])
+    assert run.exit_code == EXIT_BAD_INPUT, run.output
+    [error] = [line for line in run.stderr.splitlines() if line.startswith("Error:")]
+    suffix = "safetensors" if kind == "safetensors" else "bin"
+    assert "fc.weight" in error and f"-00001-of-00002.{suffix}" in error and f"-00002-of-00002.{suffix}" in error

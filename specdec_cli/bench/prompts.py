@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from specdec_cli.errors import SpecdecError
+from specdec_cli.errors import SpecdecError, read_text
 
 DEFAULT_CATEGORY = "default"  # for prompts whose file gives no category
 
@@ -34,12 +34,7 @@ class Prompt:
 
 def load_prompts(path: Path) -> list[Prompt]:
     """Read prompts from `path`; any problem raises SpecdecError naming the file and line."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SpecdecError(f"{path}: prompt file not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise SpecdecError(f"{path}: cannot read prompt file ({e})") from None
+    text = read_text("prompt file", path)
     if path.suffix == ".jsonl":
         is_jsonl = True
     elif path.suffix == ".txt":

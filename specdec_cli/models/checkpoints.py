@@ -33,10 +33,10 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from specdec_cli.config import ModelSpec, TinyModel
+from specdec_cli.config import ModelSpec, TinyModel, local_path
 from specdec_cli.errors import FetchError, SpecdecError
 from specdec_cli.models.decode_matmul import use_decode_matmul
-from specdec_cli.models.formats import PICKLES, load_format
+from specdec_cli.models.formats import WEIGHTS, index_files, load_format, tier_files
 
 
 @dataclass(frozen=True)
@@ -54,9 +54,10 @@ BUILTIN_MODELS = {
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
-# what a draft's loader, its tokenizer and trusted remote code (*.py) read; weights: safetensors, else
-# PICKLES. Top level only, as the loaders read it: subfolders hold other copies (original/*.pth, onnx/)
-HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"]
+# what a draft's config, shard indexes, tokenizer and trusted remote code (*.py) are in; its weights
+# are the first tier of formats.WEIGHTS the repository has. Top level only, as the loaders read it:
+# subfolders hold other copies (original/*.pth, onnx/)
+HUB_FILES = ["*.json", "*.model", "*.txt", "*.jinja", "*.py"]
 
 
 def cache_dir() -> Path:
@@ -110,22 +111,27 @@ def first_lines(exc: Exception, count: int = 1) -> str:
 
 def resolve_checkpoint(name: str, revision: str | None = None, fetch: bool = False) -> str:
     """A folder (or hub id) that `from_pretrained` can read, fetching or converting as needed; `fetch`:
-    a hub id is downloaded too (a draft's, whose format `from_pretrained` may not read)."""
+    a hub id is downloaded too (a draft's, whose format `from_pretrained` may not read). A config's
+    relative paths were made absolute against its folder; others are relative to the working directory."""
     if name in BUILTIN_MODELS:
         return str(fetch_builtin(name))
-    path = Path(name).expanduser()
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise SpecdecError(f"checkpoint not found: {name}")
-        return str(convert_gguf(path))
-    if path.is_dir():
-        return str(path)
-    if HUB_ID.match(name) and not name.startswith("."):
+    path = local_path(name, Path.cwd())
+    if path is None:
+        if not HUB_ID.match(name):
+            known = ", ".join(BUILTIN_MODELS)
+            raise SpecdecError(
+                f"checkpoint not found: {name} (not a folder, a .gguf file, a hub id owner/name, or a built-in "
+                f"name: {known})"
+            )
         return str(fetch_hub(name, revision)) if fetch else name  # else from_pretrained fetches it
-    known = ", ".join(BUILTIN_MODELS)
-    raise SpecdecError(
-        f"checkpoint not found: {name} (not a folder, a .gguf file, a hub id, or a built-in name: {known})"
-    )
+    if not path.exists():
+        raise SpecdecError(f"checkpoint not found: {path}")
+    if path.suffix == ".gguf" and path.is_file():
+        return str(convert_gguf(path))
+    if not (path / "config.json").is_file():
+        what = "no config.json" if path.is_dir() else "a file, not a folder or a .gguf file"
+        raise SpecdecError(f"checkpoint {path}: not a model folder ({what})")
+    return str(path)
 
 
 def fetch_builtin(name: str) -> Path:
@@ -150,7 +156,8 @@ def fetch_builtin(name: str) -> Path:
 
 def fetch_hub(repo_id: str, revision: str | None) -> Path:
     """A hub repository's files that a draft loader reads, in the hub cache (HF_HOME and HF_HUB_OFFLINE
-    apply); pickles only where it has no safetensors, as many repositories ship both."""
+    apply): its weights are the shards an index lists or the files of the first tier of weights it
+    has (pickles only where it has no safetensors, as many repositories ship both)."""
 
     def download(patterns: list[str]) -> Path:
         files = huggingface_hub.snapshot_download(
@@ -160,8 +167,10 @@ def fetch_hub(repo_id: str, revision: str | None) -> Path:
 
     try:
         folder = download(HUB_FILES)
-        if not any(folder.glob("*.safetensors")):
-            folder = download(list(PICKLES))
+        for index, patterns in WEIGHTS:
+            folder = download(index_files(folder / index) or list(patterns))
+            if tier_files(folder, index, patterns):
+                break
     except (OSError, ValueError) as exc:  # the hub's errors: unreachable, offline, no such repo or revision
         # two lines: an HTTP error gives its status first ("404 Client Error."), then what was not found
         raise FetchError(f"cannot fetch {repo_id} from the Hugging Face hub: {first_lines(exc, 2)}") from None

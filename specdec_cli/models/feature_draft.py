@@ -26,7 +26,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from specdec_cli.errors import SpecdecError
@@ -214,11 +214,12 @@ def save_draft(draft: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: 
     (out / DRAFT_INFO).write_text(json.dumps(info, indent=2) + "\n")
 
 
-def load_draft(folder: Path, target: PreTrainedModel | None, dtype: torch.dtype) -> PreTrainedModel:
-    if target is None:
-        raise SpecdecError(f"{folder} is a distilled draft: it can only be loaded as the draft of a target")
+def load_draft(
+    folder: Path, weights: dict[str, torch.Tensor], target: PreTrainedModel, dtype: torch.dtype
+) -> PreTrainedModel:
+    """The draft in `folder`, whose tensors (formats.DraftFolder's) are `weights`, for `target`."""
     config = AutoConfig.from_pretrained(folder)
-    weights = load_file(folder / "model.safetensors")
+    weights = dict(weights)
     token_ids = weights.pop(TOKEN_IDS, None)
     embedding = target.get_input_embeddings().weight
     if (

@@ -1,8 +1,9 @@
 """Draft checkpoints in the formats other tools publish, recognised from the folder itself (its
 config.json and tensor names, as serving engines do) and loaded against the target.
 
-`FORMATS` maps a format's name to how to recognise a folder of it and how to load one; the first
-entry that recognises a folder loads it. The EAGLE formats load as feature drafts
+`FORMATS` maps a format's name to how to recognise a folder of it and how to load one: the first
+format whose config.json it is loads it, else (a config that does not say) the first whose tensor
+names it holds, read from the headers of the weight files alone (`WEIGHTS`). The EAGLE formats load as feature drafts
 (models/feature_draft.py) that `FeatureDrafter` runs unchanged:
 
 - `eagle` (EAGLE-1/2, SafeAILab layout): `fc` [H, 2H] (a bias unless the config says `"bias": false`)
@@ -20,14 +21,16 @@ entry that recognises a folder loads it. The EAGLE formats load as feature draft
   (models/eagle3_draft.py).
 
 The draft usually ships no embedding (it uses the target's) and no tokenizer (the target's). Weights
-load from safetensors; a pickle (.bin, .pt) only with `torch.load(weights_only=True)`.
+load from safetensors; a pickle (`WEIGHTS`) only with `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
 
 import json
 import pickle
+import re
 import sys
+import zipfile
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -54,7 +57,42 @@ from specdec_cli.models.feature_draft import (
 )
 
 DRAFT_FORMAT = "specdec_draft_format"  # config key set on every loaded draft: the format's name
-PICKLES = ("*.bin", "*.pt", "*.pth")
+# Where a checkpoint's tensors are, tier by tier as transformers looks: the shards an index lists, else
+# every top-level file of the tier. Pickles: transformers' (SafeAILab's EAGLE drafts use its name too)
+# and FasterDecoding Medusa's; any other pickle beside them (training_args.bin, optimizer.pt) is never
+# opened, as unpickling it may be slow, refused, or both.
+WEIGHTS = (
+    ("model.safetensors.index.json", ("*.safetensors",)),
+    ("pytorch_model.bin.index.json", ("pytorch_model*.bin", "medusa_lm_head.pt")),
+)
+
+
+def index_files(index: Path) -> list[str] | None:
+    """The shard files a sharded checkpoint's index lists (None: no index)."""
+    if not index.is_file():
+        return None
+    try:
+        data = json.loads(index.read_text())
+    except (OSError, ValueError) as exc:
+        raise SpecdecError(f"{index}: cannot read: {exc}") from None
+    shards = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(shards, dict) or not all(isinstance(f, str) and "/" not in f for f in shards.values()):
+        raise SpecdecError(f"{index}: no weight_map of tensor names to files in its folder")
+    return sorted(set(shards.values()))
+
+
+def tier_files(path: Path, index: str, patterns: tuple[str, ...]) -> list[Path]:
+    listed = index_files(path / index)
+    if listed is None:
+        return sorted({p for pattern in patterns for p in path.glob(pattern)})
+    missing = [name for name in listed if not (path / name).is_file()]
+    if missing:
+        raise SpecdecError(f"{path}: {index} lists {missing[0]}, which is not there")
+    return [path / name for name in listed]
+
+
+def weight_files(path: Path) -> list[Path]:
+    return next((files for tier in WEIGHTS if (files := tier_files(path, *tier))), [])
 
 
 @dataclass
@@ -69,33 +107,27 @@ class DraftFolder:
         return list(self.config.get("architectures") or [])
 
     @cached_property
-    def names(self) -> set[str]:
-        """The tensor names, from the safetensors headers alone where there are any."""
-        files = sorted(self.path.glob("*.safetensors"))
-        if not files:
-            return set(self.weights) if self.pickles else set()
-        names = set()
-        for file in files:
-            with unreadable(file), safe_open(file, framework="pt") as f:
-                names |= set(f.keys())
-        return names
+    def files(self) -> list[Path]:
+        return weight_files(self.path)
 
-    @property
-    def pickles(self) -> list[Path]:
-        return sorted(p for pattern in PICKLES for p in self.path.glob(pattern))
+    @cached_property
+    def names(self) -> dict[str, str]:
+        """Each tensor's name and the file holding it, from safetensors headers and memory-mapped
+        pickles (no tensor is read). A name in two files is refused: which copy would be meant?"""
+        where = {}
+        for file in self.files:
+            for name in tensor_names(file):
+                if name in where:
+                    raise SpecdecError(f"{self.path}: tensor {name} is in both {where[name]} and {file.name}")
+                where[name] = file.name
+        return where
 
     @cached_property
     def weights(self) -> dict[str, torch.Tensor]:
-        files = sorted(self.path.glob("*.safetensors"))
-        if files:
-            weights = {}
-            for file in files:
-                with unreadable(file):
-                    weights.update(load_file(file))
-            return weights
-        if not self.pickles:
-            raise SpecdecError(f"draft {self.path}: no weights (no .safetensors, .bin or .pt file)")
-        return {k: v for file in self.pickles for k, v in load_pickle(file).items()}
+        if not self.names:
+            patterns = ", ".join(p for _, tier in WEIGHTS for p in tier)
+            raise SpecdecError(f"draft {self.path}: no weights (no tensors in {patterns})")
+        return {k: v for file in self.files for k, v in read_tensors(file).items()}
 
 
 @contextmanager
@@ -104,19 +136,37 @@ def unreadable(file: Path):
     try:
         yield
     except SafetensorError as exc:
-        raise SpecdecError(f"{file}: not a readable safetensors file: {exc}") from None
+        raise SpecdecError(f"{file}: not a readable safetensors file (truncated or corrupt?): {exc}") from None
+
+
+def tensor_names(file: Path) -> list[str]:
+    if file.suffix == ".safetensors":
+        with unreadable(file), safe_open(file, framework="pt") as f:
+            return list(f.keys())
+    return list(load_pickle(file))
+
+
+def read_tensors(file: Path) -> dict[str, torch.Tensor]:
+    if file.suffix == ".safetensors":
+        with unreadable(file):
+            return load_file(file)
+    return load_pickle(file)
 
 
 def load_pickle(file: Path) -> dict[str, torch.Tensor]:
-    """Plain tensors only: `weights_only=True` refuses pickles that would run code or build objects."""
+    """Plain tensors only: `weights_only=True` refuses pickles that would run code or build objects.
+    Memory-mapped (a zip archive, as torch.save writes since 1.6): only the tensors used are read."""
     try:
-        data = torch.load(file, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        data = torch.load(file, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(file))
+    except pickle.UnpicklingError as exc:
+        why = re.search(r"WeightsUnpickler error:\s*([^\n]+)", str(exc))
         raise SpecdecError(
             f"{file}: refused, it is not a pickle of plain tensors (specdec loads .bin/.pt files only "
-            f"with torch.load(weights_only=True); convert it to safetensors): {reason}"
+            f"with torch.load(weights_only=True); convert it to safetensors)" + (f": {why[1]}" if why else "")
         ) from None
+    except (RuntimeError, OSError, EOFError) as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise SpecdecError(f"{file}: not a readable pickle (truncated or corrupt?): {reason}") from None
     if not isinstance(data, dict) or not all(isinstance(v, torch.Tensor) for v in data.values()):
         raise SpecdecError(f"{file}: not a mapping of tensor names to tensors")
     return data
@@ -124,9 +174,21 @@ def load_pickle(file: Path) -> dict[str, torch.Tensor]:
 
 @dataclass(frozen=True)
 class Format:
-    recognise: Callable[[DraftFolder], bool]
+    claims: Callable[[DraftFolder], bool]  # from config.json (or a file of its own): no tensor is read
     load: Callable[[DraftFolder, PreTrainedModel, torch.dtype], PreTrainedModel]
     architectures: tuple[str, ...] = ()  # the `architectures` names of its configs that transformers lacks
+    # from the tensor names, for a config that does not say (EAGLE-1's is a plain Llama config)
+    matches: Callable[[DraftFolder], bool] = lambda folder: False
+
+
+def recognise(folder: DraftFolder) -> str | None:
+    """The name of the folder's format: the first whose config it is, else the first whose tensor
+    names it has (headers only), else None (a plain transformers checkpoint)."""
+    for test in ("claims", "matches"):
+        for name, fmt in FORMATS.items():
+            if getattr(fmt, test)(folder):
+                return name
+    return None
 
 
 def load_format(
@@ -139,16 +201,19 @@ def load_format(
     if not (path / "config.json").is_file():
         return None
     try:
-        folder = DraftFolder(path, json.loads((path / "config.json").read_text()))
+        config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise SpecdecError(f"{path / 'config.json'}: cannot read: {exc}") from None
-    for name, fmt in FORMATS.items():
-        if fmt.recognise(folder):
-            if target is None:
-                raise SpecdecError(f"{path} is a {name} draft: it can only be loaded as the draft of a target")
-            model = fmt.load(folder, target, dtype)
-            setattr(model.config, DRAFT_FORMAT, name)
-            return model
+    if not isinstance(config, dict):
+        raise SpecdecError(f"{path / 'config.json'}: not a JSON object")
+    folder = DraftFolder(path, config)
+    name = recognise(folder)
+    if name is not None:
+        if target is None:
+            raise SpecdecError(f"{path} is a {name} draft: it can only be loaded as the draft of a target")
+        model = FORMATS[name].load(folder, target, dtype)
+        setattr(model.config, DRAFT_FORMAT, name)
+        return model
     if target is not None and not remote_code:  # transformers would build it from `model_type`, half-loaded
         known = {a for fmt in FORMATS.values() for a in fmt.architectures}
         unknown = [a for a in folder.architectures if a not in known and not hasattr(transformers, a)]
@@ -242,8 +307,10 @@ def use_target_embedding(model: PreTrainedModel, target: PreTrainedModel, weight
 
 
 def is_eagle(folder: DraftFolder) -> bool:
-    if "EagleLlamaForCausalLM" in folder.architectures:  # vLLM's name for it
-        return True
+    return "EagleLlamaForCausalLM" in folder.architectures  # vLLM's name for it
+
+
+def has_eagle_tensors(folder: DraftFolder) -> bool:
     names = folder.names
     return "fc.weight" in names and any(n.startswith("layers.0.") for n in names)
 
@@ -282,9 +349,11 @@ def is_eagle3(folder: DraftFolder) -> bool:
         return False
     if any(a in EAGLE3_ARCHITECTURES for a in folder.architectures):
         return True
-    if "draft_vocab_size" in folder.config or "eagle_config" in folder.config:  # SafeAILab's training config
-        return True
-    return any(n.startswith("midlayer.") for n in folder.names)
+    return "draft_vocab_size" in folder.config or "eagle_config" in folder.config  # SafeAILab's training config
+
+
+def has_eagle3_tensors(folder: DraftFolder) -> bool:
+    return "speculators_config" not in folder.config and any(n.startswith("midlayer.") for n in folder.names)
 
 
 class Eagle3Layer(LlamaDecoderLayer):
@@ -419,12 +488,16 @@ def load_eagle3(folder: DraftFolder, target: PreTrainedModel, dtype: torch.dtype
 
 FORMATS: dict[str, Format] = {
     "specdec": Format(
-        recognise=lambda folder: (folder.path / DRAFT_INFO).is_file(),
-        load=lambda folder, target, dtype: load_draft(folder.path, target, dtype),
+        claims=lambda folder: (folder.path / DRAFT_INFO).is_file(),
+        load=lambda folder, target, dtype: load_draft(folder.path, folder.weights, target, dtype),
     ),
-    # block drafts (drafters/block.py, drafters/medusa.py); DFlash before EAGLE: it also has fc.weight, layers.0.*
-    "dflash": Format(recognise=dflash.recognise, load=dflash.load, architectures=(dflash.ARCHITECTURE,)),
-    "medusa": Format(recognise=medusa.recognise, load=medusa.load, architectures=("MedusaModel",)),
-    "eagle3": Format(recognise=is_eagle3, load=load_eagle3, architectures=EAGLE3_ARCHITECTURES),
-    "eagle": Format(recognise=is_eagle, load=load_eagle, architectures=("EagleLlamaForCausalLM",)),
+    # block drafts (drafters/block.py, drafters/medusa.py)
+    "dflash": Format(claims=dflash.recognise, load=dflash.load, architectures=(dflash.ARCHITECTURE,)),
+    "medusa": Format(claims=medusa.recognise, load=medusa.load, architectures=("MedusaModel",)),
+    "eagle3": Format(
+        claims=is_eagle3, load=load_eagle3, architectures=EAGLE3_ARCHITECTURES, matches=has_eagle3_tensors
+    ),
+    "eagle": Format(
+        claims=is_eagle, load=load_eagle, architectures=("EagleLlamaForCausalLM",), matches=has_eagle_tensors
+    ),
 }
