@@ -314,13 +314,13 @@ real_block_acceptance = sampling.block_acceptance
 
 
 def block_acceptance_with_token_residual(draft_tokens, draft_probs, target_probs):
-    """A realistic bug: the correction is token verification's norm(max(0, p - q)), not norm(max(0, p_i p - q))."""
+    """A realistic bug: the correction is token verification's norm(max(0, p - q)), not norm(max(0, k_i p - q))."""
     h, _ = real_block_acceptance(draft_tokens, draft_probs, target_probs)
     return h, (target_probs - torch.nn.functional.pad(draft_probs, (0, 0, 0, 1))).clamp_min(0)
 
 
 def block_acceptance_unnormalised(draft_tokens, draft_probs, target_probs):
-    """A realistic bug: h_i = Z_i, the residual mass, without dividing it by Z_i + 1 - p_i."""
+    """A realistic bug: h_i = Z_i, the residual mass, without dividing it by Z_i + 1 - k_i."""
     _, leftover = real_block_acceptance(draft_tokens, draft_probs, target_probs)
     return leftover[:, 1:].sum(-1, dtype=torch.float64), leftover
 

@@ -105,16 +105,16 @@ def block_acceptance(
     p = target_probs[:, :gamma].gather(-1, drafted)[..., 0].double()  # [B, g]
     q = draft_probs.gather(-1, drafted)[..., 0].double()  # [B, g]
     log_ratio = torch.where(q > 0, p.log() - q.log(), -math.inf)  # q == 0: the draft could not have proposed x
-    # p_i = min(1, p_{i-1} r_i) from p_0 = 1 has the closed form log p_i = S_i - max_{j <= i} S_j, where
+    # k_i = min(1, k_{i-1} r_i) from k_0 = 1 has the closed form log k_i = S_i - max_{j <= i} S_j, where
     # S_i = log r_1 + ... + log r_i: no loop over positions, and no underflow of long products
     sums = F.pad(log_ratio.cumsum(dim=-1), (1, 0))  # [B, g + 1], S_0 = 0
-    kept = (sums - sums.cummax(dim=-1).values).exp()  # [B, g + 1]: p_0 .. p_g
-    # nothing is drafted after the last position: q = 0 there makes w_g = p_g * bonus and h_g = p_g
+    kept = (sums - sums.cummax(dim=-1).values).exp()  # [B, g + 1]: k_0 .. k_g
+    # nothing is drafted after the last position: q = 0 there makes w_g = k_g * bonus and h_g = k_g
     later_q = F.pad(draft_probs, (0, 0, 0, 1))  # [B, g + 1, V]
     leftover = (kept[..., None].to(target_probs.dtype) * target_probs - later_q).clamp_min_(0)  # w_0 .. w_g
     mass = leftover[:, 1:].sum(dim=-1, dtype=torch.float64)  # [B, g]: Z_1 .. Z_g (keeping none always passes)
     denominator = mass + 1 - kept[:, 1:]
-    # a zero denominator (p_i = 1, Z_i = 0) makes stopping after i impossible whatever h_i is
+    # a zero denominator (k_i = 1, Z_i = 0) makes stopping after i impossible whatever h_i is
     h = torch.where(denominator > 0, mass / denominator.clamp_min(torch.finfo(mass.dtype).tiny), 1.0)
     return h, leftover
 
@@ -127,31 +127,31 @@ def verify_block(
     the drafts before it were undersampled (p > q) and left probability to spare. Same arguments and
     results as `verify_sampled`.
 
-    The rule. Position i + 1's distributions are p_{i+1}(x) and q_{i+1}(x), given the i drafts before
-    it, and r_i = p_i(x_i) / q_i(x_i) (0 where q_i(x_i) = 0):
-        p_0 = 1, p_i = min(1, p_{i-1} r_i)                      how much of x_1..x_i the block may keep
-        w_i(x) = max(0, p_i p_{i+1}(x) - q_{i+1}(x)), Z_i = sum_x w_i(x)   what keeping them leaves over
-        h_i = Z_i / (Z_i + 1 - p_i) for i < g, h_g = p_g
+    The rule. Position i + 1's distributions, given the i drafts before it, are p_{i+1}(x) and q_{i+1}(x);
+    r_i = p_i(x_i) / q_i(x_i) (0 where q_i(x_i) = 0). Then
+        k_0 = 1, k_i = min(1, k_{i-1} r_i)                      how much of x_1..x_i the block may keep
+        w_i(x) = max(0, k_i p_{i+1}(x) - q_{i+1}(x)), Z_i = sum_x w_i(x)   what keeping them leaves over
+        h_i = Z_i / (Z_i + 1 - k_i) for i < g, h_g = k_g
     Draw eta_1..eta_g ~ U(0, 1); tau is the largest i with eta_i < h_i (0 if none, so a later draft can
     pass where an earlier one failed); emit x_1..x_tau and a token from norm(w_tau), the recovered token
-    (w_g = p_g times the bonus distribution). With g = 1 this is exactly token verification.
+    (w_g = k_g times the bonus distribution). With g = 1 this is exactly token verification.
 
     Why the output is distributed as the target. Write M_q(x^i), M_p(x^i) for the draft's and target's
-    probabilities of a prefix x^i = x_1..x_i, and A(x^i) = M_q(x^i) p_i, the mass of x^i the block keeps.
-    1. Given x^i drafted, P(tau >= i) = p_i. At i = g this is h_g. Below, tau >= i if eta_i passes or
-       some later eta does, independently: 1 - (1 - h_i)(1 - (p_i - Z_i)) = p_i, by the choice of h_i,
-       since P(tau >= i + 1 | x^i) = sum_x q_{i+1}(x) p_{i+1} = sum_x min(q_{i+1}(x), p_i p_{i+1}(x))
-       = p_i - Z_i. So P(tau = i | x^i) = Z_i, and the correction y after x^i is delivered with
-       probability M_q(x^i) w_i(y) = max(0, A(x^i) p_{i+1}(y) - M_q(x^i y)).
+    probabilities of a prefix x^i = x_1..x_i, and A(x^i) = M_q(x^i) k_i, the mass of x^i the block keeps.
+    1. Given x^i drafted, P(tau >= i) = k_i. At i = g this is h_g. Below, tau >= i if eta_i passes or
+       some later eta does, independently, and P(tau >= i + 1 | x^i) = sum_x q_{i+1}(x) k_{i+1}(x^i x)
+       = sum_x min(q_{i+1}(x), k_i p_{i+1}(x)) = k_i - Z_i, so P(tau >= i) = 1 - (1 - h_i)(1 - k_i + Z_i)
+       = k_i by the choice of h_i. Hence P(tau = i | x^i) = Z_i, and the token y after x^i is delivered
+       as the correction with probability M_q(x^i) w_i(y) = max(0, A(x^i) p_{i+1}(y) - M_q(x^i y)).
     2. As in the note on token verification, each token's probability is "accepted + delivered":
-       A(x^i y) = min(M_q(x^i y), A(x^i) p_{i+1}(y)), so y kept as a draft after x^i (A(x^i y)) plus y
-       delivered as the correction there add up to exactly A(x^i) p_{i+1}(y). Let F(x^i) be the chance
-       that the output, continued by the target after the block, begins with x^i. Beyond the A(x^i)
-       still held in drafts, F(x^i) - A(x^i) has x^i complete already, and the target draws y after it:
+       A(x^i y) = min(M_q(x^i y), A(x^i) p_{i+1}(y)), so y kept as a draft after x^i (A(x^i y), none
+       after x^g) plus y delivered as the correction there add up to exactly A(x^i) p_{i+1}(y). Let F(x^i)
+       be the chance that the output, continued by the target after the block, begins with x^i. Beyond
+       the A(x^i) still held in drafts, F(x^i) - A(x^i) has x^i complete already and the target draws y:
        F(x^i y) = A(x^i) p_{i+1}(y) + (F(x^i) - A(x^i)) p_{i+1}(y) = F(x^i) p_{i+1}(y). From F() = 1,
        F(x^i) = M_p(x^i) for every prefix: the target's distribution, warped as the draft's is.
-    Never worse: p_i >= min(1, r_1) ... min(1, r_i), token verification's chance to keep x^i, and by
-    1. the expected number kept is sum_i E[p_i].
+    Never worse: k_i >= min(1, r_1) ... min(1, r_i), token verification's chance to keep x^i, and by
+    1. the expected number kept is sum_i E[k_i].
     """
     batch, gamma = draft_tokens.shape
     h, leftover = block_acceptance(draft_tokens, draft_probs, target_probs)
