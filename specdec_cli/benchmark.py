@@ -88,10 +88,11 @@ def execute(
         "runs": runs,
         "batch_runs": batch_runs,
     }
+    rule = cfg.describe_verification()
     tables = (
-        [category_report(summary, cfg.draft.describe()), detail_report(summary)]
+        [category_report(summary, cfg.draft.describe(), rule), detail_report(summary, rule)]
         + ([peer_report(peers, caption)] if peers else [])
-        + ([batch_report(batch_summary)] if batch_runs else [])
+        + ([batch_report(batch_summary, rule)] if batch_runs else [])
     )
     written = records.write_record("benchmark", cfg.name, record, {"report.md": markdown_document(record, tables)})
     if as_json:

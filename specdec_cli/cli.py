@@ -31,6 +31,7 @@ from specdec_cli.options import (
     ThreadsOpt,
     TopKOpt,
     TopPOpt,
+    VerificationOpt,
     configure,
     read_prompt,
     reports_errors,
@@ -95,6 +96,7 @@ def generate(
     seed: SeedOpt = None,
     num_draft_tokens: GammaOpt = None,
     confidence_threshold: ConfidenceOpt = None,
+    verification: VerificationOpt = None,
     max_new_tokens: MaxNewOpt = None,
     ignore_eos: IgnoreEosOpt = None,
     device: DeviceOpt = None,
@@ -117,6 +119,7 @@ def generate(
         sampling__seed=seed,
         speculation__num_draft_tokens=num_draft_tokens,
         speculation__confidence_threshold=confidence_threshold,
+        speculation__verification=verification,
         generation__max_new_tokens=max_new_tokens,
         generation__ignore_eos=ignore_eos,
         runtime__device=device,
@@ -145,6 +148,7 @@ def generate(
   specdec benchmark --prompts question.jsonl --category qa --limit 5 --peer hf\n
   specdec benchmark --min-speedup 1.2 --min-accept-length 2 --json > result.json\n
   specdec benchmark --batch-sizes 1,2,4,8 --max-new-tokens 64\n
+  specdec benchmark --temperatures 1 --verification block   # then --compare with a token run\n
   specdec benchmark --compare runs/A runs/B"""
 )
 @reports_errors
@@ -167,6 +171,7 @@ def benchmark(
         typer.Option(help="Temperatures, e.g. 0,0.7,1.0 (default: 0 and the config's, 1.0 if it is greedy)."),
     ] = None,
     confidence_threshold: ConfidenceOpt = None,
+    verification: VerificationOpt = None,
     max_new_tokens: MaxNewOpt = None,
     ignore_eos: IgnoreEosOpt = None,
     seed: SeedOpt = None,
@@ -214,6 +219,7 @@ def benchmark(
         record,
         sampling__seed=seed,
         speculation__confidence_threshold=confidence_threshold,
+        speculation__verification=verification,
         generation__max_new_tokens=max_new_tokens,
         generation__ignore_eos=ignore_eos,
         runtime__device=device,
@@ -241,6 +247,7 @@ def benchmark(
   specdec verify-distribution -c tiny-random\n
   specdec verify-distribution --prompt "Tell me a joke." --samples 300 --temperature 0.7 --top-k 50\n
   specdec verify-distribution --batch-size 8  # the runs as rows of batches\n
+  specdec verify-distribution --verification block --top-p 0.9\n
   specdec verify-distribution --json > verify.json  # exit 0: exact; 3: a check failed; 2: bad input""",
 )
 @reports_errors
@@ -267,6 +274,7 @@ def verify_distribution(
     seed: SeedOpt = None,
     num_draft_tokens: GammaOpt = None,
     confidence_threshold: ConfidenceOpt = None,
+    verification: VerificationOpt = None,
     max_new_tokens: MaxNewOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
@@ -293,6 +301,7 @@ def verify_distribution(
         sampling__seed=seed,
         speculation__num_draft_tokens=num_draft_tokens,
         speculation__confidence_threshold=confidence_threshold,
+        speculation__verification=verification,
         generation__max_new_tokens=max_new_tokens,
         runtime__device=device,
         runtime__dtype=dtype,

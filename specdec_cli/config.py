@@ -21,6 +21,7 @@ import yaml
 from specdec_cli.errors import SpecdecError, read_text
 
 DEFAULT_CONFIG = "smollm2-draft"  # name of a file in configs/
+VERIFICATIONS = ("token", "block")  # speculation.verification
 
 
 @dataclass
@@ -102,6 +103,10 @@ class Speculation:
     # (in every row of a batch): unlikely drafts are mostly rejected, and each costs a draft step and
     # a wider verification. 0: always num_draft_tokens. The output stays exact either way.
     confidence_threshold: float = 0.0
+    # how sampled drafts are verified: "token", each on its own (Leviathan et al.), or "block", together
+    # (Sun et al. 2025). Both are exact; block keeps at least as many drafts on average. Greedy drafts
+    # are kept while they equal the target's argmax either way.
+    verification: str = "token"
 
 
 @dataclass
@@ -137,6 +142,10 @@ class Config:
         fewer = f" (fewer below confidence {threshold:g})" if threshold else ""
         by_lookup = f", up to {lookup.num_draft_tokens} by prompt lookup" if lookup and lookup.num_draft_tokens else ""
         return f"{self.speculation.num_draft_tokens} draft tokens{fewer}{by_lookup}"
+
+    def describe_verification(self) -> str:
+        """The verification rule, for titles beside the draft lengths."""
+        return f"{self.speculation.verification} verification"
 
 
 def _type_name(tp: Any) -> str:
@@ -280,6 +289,8 @@ def validate(config: Config) -> None:
         raise SpecdecError(
             f"confidence_threshold must be in [0, 1) (0 always drafts), got {config.speculation.confidence_threshold}"
         )
+    if config.speculation.verification not in VERIFICATIONS:
+        raise SpecdecError(f"verification must be token or block, got {config.speculation.verification!r}")
     if config.generation.max_new_tokens < 1:
         raise SpecdecError(f"max_new_tokens must be >= 1, got {config.generation.max_new_tokens}")
     r = config.runtime

@@ -21,7 +21,7 @@ def load(cfg: Config) -> Pair:
 
 def title(cfg: Config, extra: str = "") -> str:
     mode = "greedy" if cfg.sampling.temperature == 0 else "sampled"
-    return f"{cfg.name}: {cfg.describe_drafting()}, {mode}{extra}"
+    return f"{cfg.name}: {cfg.describe_drafting()}, {cfg.describe_verification()}, {mode}{extra}"
 
 
 def generate_one(cfg: Config, text: str, raw: bool, as_json: bool) -> None:

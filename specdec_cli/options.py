@@ -32,6 +32,13 @@ ConfidenceOpt = Annotated[
     Optional[float],
     typer.Option(help="A draft model stops drafting a block at a token it gives less probability than this; 0 never."),
 ]
+VerificationOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        help="How sampled drafts are verified: token (each on its own) or block (together, Sun et al. 2025); "
+        "both exact, block keeps at least as many on average."
+    ),
+]
 MaxNewOpt = Annotated[Optional[int], typer.Option(help="Most tokens to generate.")]
 IgnoreEosOpt = Annotated[
     Optional[bool], typer.Option("--ignore-eos/--stop-at-eos", help="Keep generating past end-of-sequence.")

@@ -2,9 +2,11 @@
 
 Five checks, all through the code `generate` uses (the sampler functions are looked up on the
 `sampling` module at call time, so a patched or broken sampler is the one under test):
-1. sampler: for many (p, q) shapes, the exact output distribution of accept-or-resample from the
-   formula equals p, and N draws of `verify_sampled` pass a goodness-of-fit test against p (and the
-   bonus token against the last position's distribution);
+1. sampler: for many (p, q) shapes, the exact output distribution of the configured verification rule
+   equals p (token: accept-or-resample from the formula; block: every chain of 2 drafts summed from the
+   engine's acceptance chances and corrections), and N chains of 2 drafts through its function
+   (`verify_sampled` or `verify_block`) emit tokens 1 and 2 as p does: token 1, and token 2 given each
+   frequent token 1 (and the bonus token against the distribution after the last position);
 2. first token: N speculative runs (seeds s, s+1, ...) of BLOCKS * (gamma + 1) tokens each, token 1
    against the exact warped target distribution;
 3. positions 2..gamma+1: the same runs, conditional on their most frequent prefixes, against the
@@ -29,6 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from scipy import stats
 
 from specdec_cli import display, records
@@ -42,7 +45,10 @@ MIN_EXPECTED = 5.0  # chi-square needs about 5 expected counts per bin: rarer to
 EXACT_TOLERANCE = 1e-6  # max |P(x) - p(x)| allowed for the formula (float32 inputs, float64 sums)
 MIN_PREFIX_RUNS = 10  # a prefix seen in fewer runs carries too few draws to test
 MAX_PREFIXES = 10  # conditional tests per position: the most frequent prefixes
-SAMPLER_CHUNK = 512  # rows per verify_sampled call: [chunk, 2, V] float32 stays in the low MBs to 200 MB
+SAMPLER_ELEMENTS = 2**24  # rows per sampler call: each [rows, 3, V] float32 tensor stays within 64 MB
+SAMPLER_DRAFTS = 2  # drafts per chain in the sampler check: with 1, block verification is token verification
+EXACT_BLOCK_VOCAB = 12  # the block rule's exact law sums over every chain: the shapes' likeliest tokens
+VERIFIERS = {"token": "verify_sampled", "block": "verify_block"}  # speculation.verification -> sampling's function
 # logit differences below this are floating-point ties: between the target's top-2 (either is a fair
 # argmax), or between a token and the top-k/top-p cut (the generating forward may have kept it)
 TIE_MARGIN = {torch.float32: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.1}
@@ -224,36 +230,91 @@ def exact_output(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return accepted + (1 - accepted.sum()) * sampling.residual(p, q).double()
 
 
-def sampler_draws(
-    p: torch.Tensor, q: torch.Tensor, bonus: torch.Tensor, draws: int, gen: torch.Generator
-) -> tuple[np.ndarray, np.ndarray]:
-    """Draw a token from q and run `verify_sampled` with gamma = 1, `draws` times. Returns the counts
-    of the emitted first token, and of the bonus token over the runs that accepted the draft."""
+def exact_block_output(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The law [V, V] of the first two tokens that block verification of 2 drafts emits (the target
+    drawing the second where it emits one), with p and q at both positions: every chain of drafts,
+    weighted by q, with the engine's chances h and corrections (`sampling.block_acceptance`), in float64."""
+    p64, q64 = p.double(), q.double()
     vocab = p.shape[-1]
-    first, after = np.zeros(vocab), np.zeros(vocab)
-    for start in range(0, draws, SAMPLER_CHUNK):
-        rows = min(SAMPLER_CHUNK, draws - start)
-        # the drafts are the test's input, not code under test: multinomial is far cheaper at large V
-        drafts = torch.multinomial(q, rows, replacement=True, generator=gen)[:, None]  # [rows, 1]
-        targets = torch.stack([p, bonus]).expand(rows, 2, vocab)
-        accepted, next_token = sampling.verify_sampled(drafts, q.expand(rows, 1, vocab), targets, gen)
-        emitted = torch.where(accepted == 1, drafts[:, 0], next_token)
-        first += np.bincount(emitted.numpy(), minlength=vocab)
-        after += np.bincount(next_token[accepted == 1].numpy(), minlength=vocab)
-    return first, after
+    drafts = torch.cartesian_prod(torch.arange(vocab), torch.arange(vocab))  # [V^2, 2]: every chain
+    n = len(drafts)
+    h, leftover = sampling.block_acceptance(
+        drafts, q64.expand(n, SAMPLER_DRAFTS, vocab), p64.expand(n, SAMPLER_DRAFTS + 1, vocab)
+    )
+    mass = leftover.sum(-1, keepdim=True)
+    correction = torch.where(mass > 0, leftover / mass.clamp_min(torch.finfo(mass.dtype).tiny), p64)
+    chain = q64[drafts].prod(-1)  # [V^2]
+    # tau, the drafts kept, is the last i whose eta_i < h_i (keeping none always passes): it stops at j
+    # when j passes and every later one fails
+    h = F.pad(h, (1, 0), value=1.0)
+    stop = [h[:, j] * (1 - h[:, j + 1 :]).prod(-1) * chain for j in range(SAMPLER_DRAFTS + 1)]
+    law = torch.zeros(vocab, vocab, dtype=torch.float64)
+    law.index_put_((drafts[:, 0], drafts[:, 1]), stop[2], accumulate=True)  # both kept
+    law.index_add_(0, drafts[:, 0], stop[1][:, None] * correction[:, 1])  # x_1 kept, then its correction
+    law += torch.outer(stop[0] @ correction[:, 0], p64)  # the correction, then the target's next token
+    return law
+
+
+def exact_errors(shapes: list[tuple[str, torch.Tensor, torch.Tensor]], verification: str) -> tuple[list[float], str]:
+    """max |P - p| per shape for the configured rule's exact law, and what was computed."""
+    if verification == "token":
+        errors = [float((exact_output(p, q) - p.double()).abs().max()) for _, p, q in shapes]
+        return errors, f"exact output distribution from the formula, {len(shapes)} shapes, V={len(shapes[0][1])}"
+    errors = []
+    for _, p, q in shapes:
+        likeliest = (p + q).topk(EXACT_BLOCK_VOCAB).indices
+        p_top, q_top = (x[likeliest].double() / x[likeliest].double().sum() for x in (p, q))
+        errors.append(float((exact_block_output(p_top, q_top) - torch.outer(p_top, p_top)).abs().max()))
+    what = (
+        f"exact law of 2 block-verified drafts from block_acceptance, {len(shapes)} shapes on their "
+        f"{EXACT_BLOCK_VOCAB} likeliest tokens"
+    )
+    return errors, what
+
+
+def sampler_draws(
+    verify: Callable, p: torch.Tensor, q: torch.Tensor, bonus: torch.Tensor, draws: int, gen: torch.Generator
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Draw 2 tokens from q and run `verify` on them, p at both positions and `bonus` after them, `draws`
+    times. Returns each run's first two output tokens [draws] twice (p being context-free here, the target
+    draws the second where a run emitted one), and the counts of the bonus token over the runs that
+    accepted both drafts."""
+    vocab = p.shape[-1]
+    targets = torch.stack([p, p, bonus])
+    chunk = max(1, SAMPLER_ELEMENTS // (len(targets) * vocab))
+    first, second, after = [], [], np.zeros(vocab)
+    for start in range(0, draws, chunk):
+        rows = min(chunk, draws - start)
+        # the drafts and the target's later token are the test's input, not code under test: multinomial
+        # is far cheaper at large V
+        drafts = torch.multinomial(q, rows * SAMPLER_DRAFTS, replacement=True, generator=gen).view(rows, -1)
+        later = torch.multinomial(p, rows, replacement=True, generator=gen)
+        accepted, next_token = verify(
+            drafts, q.expand(rows, SAMPLER_DRAFTS, vocab), targets.expand(rows, -1, vocab), gen
+        )
+        first.append(torch.where(accepted >= 1, drafts[:, 0], next_token))
+        second.append(torch.where(accepted == 2, drafts[:, 1], torch.where(accepted == 1, next_token, later)))
+        after += np.bincount(next_token[accepted == SAMPLER_DRAFTS].numpy(), minlength=vocab)
+    return torch.cat(first).numpy(), torch.cat(second).numpy(), after
 
 
 def check_sampler(
-    vocab_size: int, params: SamplingParams, draws: int, seed: int, significance: float, stage: Stage = no_progress
+    vocab_size: int,
+    params: SamplingParams,
+    draws: int,
+    seed: int,
+    significance: float,
+    stage: Stage = no_progress,
+    verification: str = "token",
 ) -> list[Row]:
     shapes = sampler_shapes(vocab_size, params, seed)
     bonus = (3 * torch.randn(vocab_size, generator=torch.Generator().manual_seed(seed + 1))).softmax(-1)
-    errors = [float((exact_output(p, q) - p.double()).abs().max()) for _, p, q in shapes]
+    errors, what = exact_errors(shapes, verification)
     worst = int(np.argmax(errors))
     rows = [
         Row(
             "1 sampler",
-            f"exact output distribution from the formula, {len(shapes)} shapes, V={vocab_size}",
+            what,
             len(shapes),
             f"max |P-p| = {errors[worst]:.1e}",
             threshold=f"<= {EXACT_TOLERANCE:g}",
@@ -261,14 +322,22 @@ def check_sampler(
             note=f"worst: {shapes[worst][0]}",
         )
     ]
+    name = VERIFIERS[verification]
+    verify = getattr(sampling, name)  # at call time: a patched sampler is the one under test
     gen = torch.Generator().manual_seed(seed)
     bonus_fit = Fit()
     advance = stage("sampler draws", len(shapes))
-    for name, p, q in shapes:
-        first, after = sampler_draws(p, q, bonus, draws, gen)
+    for shape, p, q in shapes:
+        first, second, after = sampler_draws(verify, p, q, bonus, draws, gen)
+        probs = p.double().numpy()
         fit = Fit()
-        fit.add(first, p.double().numpy())
-        rows.append(fit.row("1 sampler", f"verify_sampled draws: {name}", significance))
+        fit.add(np.bincount(first, minlength=vocab_size), probs)
+        for token, n in Counter(first.tolist()).most_common(MAX_PREFIXES):
+            if n >= MIN_PREFIX_RUNS:
+                fit.add(np.bincount(second[first == token], minlength=vocab_size), probs)
+        rows.append(
+            fit.row("1 sampler", f"{name} draws of {SAMPLER_DRAFTS} drafts, tokens 1 and 2: {shape}", significance)
+        )
         bonus_fit.add(after, bonus.double().numpy())
         advance()
     rows.append(bonus_fit.row("1 sampler", "bonus token after full acceptance, all shapes", significance))
@@ -502,7 +571,7 @@ def check_greedy(
 class Settings:
     params: SamplingParams  # of the distribution checks
     samples: int  # speculative runs per prompt
-    sampler_draws: int  # verify_sampled draws per shape
+    sampler_draws: int  # chains through the sampler per shape
     significance: float
     seed: int
     greedy_tokens: int
@@ -517,7 +586,15 @@ def describe_params(params: SamplingParams) -> str:
 def run_checks(pair: Pair, settings: Settings, stage: Stage = no_progress) -> list[Row]:
     """Every check on every prompt; Holm is applied over all the statistical rows together."""
     s = settings
-    rows = check_sampler(pair.target.vocab_size, s.params, s.sampler_draws, s.seed, s.significance, stage)
+    rows = check_sampler(
+        pair.target.vocab_size,
+        s.params,
+        s.sampler_draws,
+        s.seed,
+        s.significance,
+        stage,
+        pair.config.speculation.verification,
+    )
     encoded = [pair.encode(text) for text in s.prompts]
     for ids in encoded:
         pair.check_fits(ids, max(s.greedy_tokens, BLOCKS * (pair.decoder(s.params).gamma + 1)))
@@ -626,6 +703,7 @@ def verify_distribution(
     else:
         title = (
             f"{cfg.name}: {describe_params(settings.params)}, {cfg.describe_drafting()}, "
+            f"{cfg.describe_verification()}, "
             f"{settings.samples} runs per prompt in batches of {batch_size}, "
             f"{settings.sampler_draws} sampler draws per shape, "
             f"significance {significance:g} (Holm over {sum(r.alpha is not None for r in rows)} tests)"

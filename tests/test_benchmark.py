@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from specdec_cli.bench.plan import Plan
 from specdec_cli.bench.prompts import Prompt
+from specdec_cli.bench.report import compare_report
 from specdec_cli.bench.run import run_benchmark
 from specdec_cli.bench.summary import gate_failures, summarize, summarize_mode
 from specdec_cli.cli import app
@@ -262,6 +263,29 @@ def test_compare_two_records(tmp_path):
     other = max((tmp_path / "runs").glob("*-benchmark-tiny-same*"))  # the second run of that config
     code, out, err = run_cli("--compare", str(a), str(other), "--json")
     assert code == 0 and json.loads(out)["rows"] == []  # no common (temperature, gamma)
+
+
+def test_the_verification_rule_is_named_in_titles_records_and_comparisons(tmp_path):
+    code, out, err = run_cli(
+        "-c",
+        str(write_pair(tmp_path)),
+        "--category",
+        "qa",
+        "--temperatures",
+        "1",
+        "--warmup",
+        "0",
+        "--verification",
+        "block",
+    )
+    assert code == 0, err
+    assert "Speedup by category, block verification" in out and "Overall, block verification" in out
+    record = json.loads((written_record(tmp_path, "tiny-same") / "record.json").read_text())
+    assert record["config"]["speculation"]["verification"] == "block"
+    older = {**record, "config": {"speculation": {}}}  # records from before the rule could be chosen
+    caption = compare_report(older, record, ("A", "B")).caption
+    assert "(" + record["timestamp"] + ", token verification), B" in caption
+    assert caption.count("block verification") == 1
 
 
 def run_peer(config: Path, *args: str) -> dict:

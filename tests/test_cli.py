@@ -88,6 +88,17 @@ def test_greedy_cli_output_equals_target_alone(write_config):
     assert noisy["token_ids"] == same["token_ids"]
 
 
+def test_the_verification_rule_comes_from_yaml_or_flag_and_is_named(write_config):
+    """The record and the title name the rule; greedy decoding is the same under either."""
+    block = write_config({"sampling": {"temperature": 1.0}, "speculation": {"verification": "block"}})
+    assert generate_json(block)["config"]["speculation"]["verification"] == "block"
+    assert generate_json(block, "--verification", "token")["config"]["speculation"]["verification"] == "token"
+    shown = run("generate", "-c", str(block), "--prompt", "Hello there")
+    assert shown.exit_code == 0 and "tiny-test: 3 draft tokens, block verification, sampled" in shown.stderr
+    greedy = [generate_json(write_config(), "--verification", rule)["token_ids"] for rule in ("token", "block")]
+    assert greedy[0] == greedy[1]
+
+
 def test_prompt_from_stdin_and_file(write_config, tmp_path):
     config = write_config()
     from_stdin = run("generate", "-c", str(config), "--prompt", "-", "--json", stdin="Hello there")
@@ -121,6 +132,7 @@ def assert_one_line_error(result, *fragments: str, code: int = EXIT_BAD_INPUT):
         ({"sampling": {"top_k": -1}}, ["top_k must be >= 0"]),
         ({"speculation": {"num_draft_tokens": 0}}, ["num_draft_tokens must be >= 1"]),
         ({"speculation": {"confidence_threshold": 1}}, ["confidence_threshold must be in [0, 1)"]),
+        ({"speculation": {"verification": "blocks"}}, ["verification must be token or block, got 'blocks'"]),
         (
             {"draft": {"ngram": {}}, "speculation": {"confidence_threshold": 0.3}},
             ["confidence_threshold applies to drafts that draft token by token"],
@@ -145,6 +157,7 @@ def test_config_errors(write_config, changes, fragments):
         (["--top-p", "2"], ["top_p must be in (0, 1]"]),
         (["--gamma", "0"], ["num_draft_tokens must be >= 1"]),
         (["--confidence-threshold", "-0.1"], ["confidence_threshold must be in [0, 1)"]),
+        (["--verification", "Block"], ["verification must be token or block, got 'Block'"]),
     ],
 )
 def test_flag_errors(write_config, args, fragments):

@@ -208,3 +208,23 @@ def test_a_verification_attends_without_copying_keys_and_values_and_gets_the_sam
             model.model(torch.tensor([context]), cache=cache)
             own = model.model(torch.tensor([new]), cache=cache).logits[0]
             torch.testing.assert_close(own, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_block_verification_in_the_loop(tiny_target, noisy_draft, tokenizer):
+    """Under block verification, target-only decoding draws what it draws under token verification (no
+    drafts, the same random draws), an identical draft keeps every draft, and a noisy one some."""
+    prompt, sampled = tokenizer.encode(PROMPT), SamplingParams(temperature=1.0)
+    alone = [
+        SpeculativeDecoder(cached(tiny_target), None, sampled, 1, set(), rule).generate(prompt, 24, 0).token_ids
+        for rule in ("token", "block")
+    ]
+    assert alone[0] == alone[1]
+    rates = [
+        acceptance_rate(
+            SpeculativeDecoder(cached(tiny_target), ModelDrafter(cached(draft)), sampled, 3, set(), "block")
+            .generate(prompt, 32, 0)
+            .steps
+        )
+        for draft in (tiny_target, noisy_draft)
+    ]
+    assert rates[0] == 1.0 and 0 < rates[1] < 1

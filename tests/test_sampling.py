@@ -1,11 +1,15 @@
-"""The acceptance test, the residual, warping, and a statistical test of the sampler's output."""
+"""The acceptance test, the residual, warping, and a statistical test of the sampler's output; block
+verification's exact law, its draws, broken variants the checks catch, and the drafts it keeps."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
 from scipy import stats
 
+from specdec_cli.decoding import sampling
 from specdec_cli.decoding.sampling import (
     SamplingParams,
     accepted_prefix_length,
@@ -199,3 +203,204 @@ def test_a_draft_over_a_vocabulary_subset_draws_from_the_same_q(params):
         assert counts[expected == 0].sum() == 0  # only tokens of the subset that survive warping
         kept = expected > 0
         assert stats.chisquare(counts[kept].numpy(), expected[kept].numpy()).pvalue > 1e-3
+
+
+# ---------------------------------------------------------------- block verification
+
+
+class Chain:
+    """A target p and a draft q over a small vocabulary whose next-token distributions depend on the whole
+    prefix: one random row per prefix of up to gamma tokens, float64."""
+
+    def __init__(self, vocab: int, gamma: int, seed: int, scale: float = 1.5):
+        self.vocab, self.gamma = vocab, gamma
+        g = torch.Generator().manual_seed(seed)
+        prefixes = sum(vocab**n for n in range(gamma + 1))
+        self.p, self.q = (
+            (torch.randn(prefixes, vocab, generator=g, dtype=torch.float64) * scale).softmax(-1) for _ in "pq"
+        )
+
+    def row(self, prefixes: torch.Tensor) -> torch.Tensor:
+        """Table row of each prefix [N, L] -> [N]: the prefixes shorter than L first, then base-V order."""
+        length = prefixes.shape[1]
+        place = self.vocab ** torch.arange(length - 1, -1, -1)
+        return sum(self.vocab**n for n in range(length)) + (prefixes * place).sum(-1)
+
+    def rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Rows of every prefix of tokens [N, L], the empty one first -> [N, L + 1]."""
+        return torch.stack([self.row(tokens[:, :n]) for n in range(tokens.shape[1] + 1)], 1)
+
+    def sequences(self, length: int) -> torch.Tensor:
+        return torch.tensor(list(itertools.product(range(self.vocab), repeat=length)))
+
+    def inputs(self, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(draft_probs [N, g, V], target_probs [N, g + 1, V]) after each prefix of the drafts."""
+        rows = self.rows(drafts)
+        return self.q[rows[:, :-1]], self.p[rows]
+
+    def probability(self, table: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Each token's probability given the ones before it [N, L], from `table` (p or q)."""
+        return table[self.rows(tokens)[:, :-1]].gather(-1, tokens[..., None])[..., 0]
+
+
+def stop_probabilities(h: torch.Tensor) -> torch.Tensor:
+    """P(tau = j | drafts) [N, g + 1] when tau is the last i with eta_i < h_i (0 always passes)."""
+    h = torch.nn.functional.pad(h, (1, 0), value=1.0)
+    return torch.stack([h[:, j] * (1 - h[:, j + 1 :]).prod(-1) for j in range(h.shape[1])], 1)
+
+
+def exact_block_law(chain: Chain) -> tuple[torch.Tensor, torch.Tensor]:
+    """(P, p) over every sequence of gamma + 1 tokens: the law of block verification's output, continued
+    by the target after it, summed over every draft chain from `sampling.block_acceptance`; and the
+    target's own law."""
+    g = chain.gamma
+    drafts, sequences = chain.sequences(g), chain.sequences(g + 1)  # [N, g], [S, g + 1]
+    draft_probs, target_probs = chain.inputs(drafts)
+    h, leftover = sampling.block_acceptance(drafts, draft_probs, target_probs)
+    mass = leftover.sum(-1, keepdim=True)
+    correction = torch.where(mass > 0, leftover / mass, target_probs)  # [N, g + 1, V]
+    stop = stop_probabilities(h) * chain.probability(chain.q, drafts).prod(-1)[:, None]  # [N, g + 1]
+    step = chain.probability(chain.p, sequences)  # [S, g + 1]: p(s_k | s_1..s_{k-1})
+    law = torch.zeros(len(sequences), dtype=torch.float64)
+    for j in range(g + 1):  # j drafts kept, then the correction s_j, then the target draws the rest
+        same = (drafts[:, None, :j] == sequences[None, :, :j]).all(-1)  # [N, S]
+        corrected = correction[:, j].T[sequences[:, j]].T  # [N, S]: w_j(s_j) of each chain
+        law += (stop[:, j, None] * same * corrected).sum(0) * step[:, j + 1 :].prod(-1)
+    return law, step.prod(-1)
+
+
+def block_draws(chain: Chain, n: int, seed: int) -> torch.Tensor:
+    """n runs of `sampling.verify_block` on draft chains drawn from q, each output continued by the
+    target to gamma + 1 tokens; counts per sequence (in `Chain.sequences` order)."""
+    generator = torch.Generator().manual_seed(seed)
+    g, vocab = chain.gamma, chain.vocab
+    chains = chain.sequences(g)
+    drafts = chains[sample(chain.probability(chain.q, chains).prod(-1).expand(n, -1), generator)]  # [n, g] from q
+    num_accepted, next_token = sampling.verify_block(drafts, *chain.inputs(drafts), generator)
+    output = torch.cat([drafts, next_token[:, None]], 1)
+    output[torch.arange(n), num_accepted] = next_token
+    for k in range(1, g + 1):  # past the block, the target draws the next token
+        drawn = sample(chain.p[chain.row(output[:, :k])], generator)
+        output[:, k] = torch.where(num_accepted < k, drawn, output[:, k])
+    place = vocab ** torch.arange(g, -1, -1)
+    return torch.bincount((output * place).sum(-1), minlength=vocab ** (g + 1))
+
+
+CHAINS = [Chain(vocab=3, gamma=3, seed=0), Chain(vocab=4, gamma=2, seed=1), Chain(vocab=2, gamma=4, seed=2, scale=3)]
+
+
+def chain_id(chain: Chain) -> str:
+    return f"V={chain.vocab},g={chain.gamma}"
+
+
+def exact_failures() -> list[str]:
+    return [chain_id(c) for c in CHAINS if not torch.allclose(*exact_block_law(c), atol=1e-12)]
+
+
+def draws_failures() -> list[str]:
+    threshold = ALPHA / len(CHAINS)  # Bonferroni over the chains
+    return [
+        chain_id(c)
+        for i, c in enumerate(CHAINS)
+        if goodness_of_fit(block_draws(c, SAMPLES, seed=i), exact_block_law(c)[1]) < threshold
+    ]
+
+
+def test_block_verification_output_is_the_targets_exactly_and_in_draws():
+    assert exact_failures() == [] and draws_failures() == []
+
+
+real_block_acceptance = sampling.block_acceptance
+
+
+def block_acceptance_with_token_residual(draft_tokens, draft_probs, target_probs):
+    """A realistic bug: the correction is token verification's norm(max(0, p - q)), not norm(max(0, k_i p - q))."""
+    h, _ = real_block_acceptance(draft_tokens, draft_probs, target_probs)
+    return h, (target_probs - torch.nn.functional.pad(draft_probs, (0, 0, 0, 1))).clamp_min(0)
+
+
+def block_acceptance_unnormalised(draft_tokens, draft_probs, target_probs):
+    """A realistic bug: h_i = Z_i, the residual mass, without dividing it by Z_i + 1 - k_i."""
+    _, leftover = real_block_acceptance(draft_tokens, draft_probs, target_probs)
+    return leftover[:, 1:].sum(-1, dtype=torch.float64), leftover
+
+
+def verify_block_accepting_token_wise(draft_tokens, draft_probs, target_probs, generator):
+    """A realistic bug: drafts kept by token verification's test, the correction drawn from the block rule's."""
+    _, leftover = real_block_acceptance(draft_tokens, draft_probs, target_probs)
+    num_accepted, _ = verify_sampled(draft_tokens, draft_probs, target_probs, generator)
+    return num_accepted, sample(leftover[torch.arange(len(leftover)), num_accepted], generator)
+
+
+def verify_block_stopping_at_the_first_failure(draft_tokens, draft_probs, target_probs, generator):
+    """A realistic bug: tau = the drafts before the first eta_i >= h_i, not the last i with eta_i < h_i."""
+    h, leftover = real_block_acceptance(draft_tokens, draft_probs, target_probs)
+    num_accepted = accepted_prefix_length(torch.rand(h.shape, dtype=torch.float64, generator=generator) < h)
+    return num_accepted, sample(leftover[torch.arange(len(leftover)), num_accepted], generator)
+
+
+@pytest.mark.parametrize("broken", [block_acceptance_with_token_residual, block_acceptance_unnormalised])
+def test_both_block_checks_catch_a_broken_acceptance(monkeypatch, broken):
+    monkeypatch.setattr(sampling, "block_acceptance", broken)  # verify_block looks it up at call time
+    assert exact_failures() and draws_failures()
+
+
+@pytest.mark.parametrize("broken", [verify_block_accepting_token_wise, verify_block_stopping_at_the_first_failure])
+def test_the_block_draws_catch_a_broken_draw(monkeypatch, broken):
+    monkeypatch.setattr(sampling, "verify_block", broken)
+    # the exact law is summed from block_acceptance, which these bugs leave alone: the draws must see them
+    assert exact_failures() == [] and draws_failures()
+
+
+def expected_accepted(chain: Chain) -> tuple[float, float]:
+    """Exact expected drafts kept per block over every draft chain: (token verification, block verification)."""
+    drafts = chain.sequences(chain.gamma)
+    q = chain.probability(chain.q, drafts)  # [N, g]
+    weight = q.prod(-1)
+    token = (chain.probability(chain.p, drafts) / q).clamp_max(1).cumprod(-1).sum(-1)  # sum_i P(keep x_1..x_i)
+    h, _ = sampling.block_acceptance(drafts, *chain.inputs(drafts))
+    block = stop_probabilities(h) @ torch.arange(chain.gamma + 1, dtype=torch.float64)
+    return float(weight @ token), float(weight @ block)
+
+
+def test_block_verification_keeps_the_papers_11_9_where_token_keeps_10_9():
+    # Sun et al.'s example: p = (1/3, 2/3), q = (2/3, 1/3) at every position, 2 drafts
+    chain = Chain(vocab=2, gamma=2, seed=0)
+    chain.p[:], chain.q[:] = (
+        torch.tensor([1 / 3, 2 / 3], dtype=torch.float64),
+        torch.tensor([2 / 3, 1 / 3], dtype=torch.float64),
+    )
+    assert expected_accepted(chain) == pytest.approx((10 / 9, 11 / 9), abs=1e-12)
+    n, generator = 200_000, torch.Generator().manual_seed(0)
+    drafts = sample(chain.q[0].expand(n, 2, 2), generator)
+    inputs = chain.inputs(drafts)
+    for verify, expected in ((verify_sampled, 10 / 9), (sampling.verify_block, 11 / 9)):
+        assert verify(drafts, *inputs, generator)[0].double().mean().item() == pytest.approx(expected, abs=0.01)
+
+
+def test_block_verification_keeps_at_least_as_many_drafts_as_token_verification():
+    gains = []
+    for seed in range(40):
+        chain = Chain(vocab=2 + seed % 3, gamma=1 + seed % 4, seed=seed, scale=0.5 + seed % 5)
+        token, block = expected_accepted(chain)
+        assert block >= token - 1e-12, seed
+        if chain.gamma == 1:  # one draft: the two rules are the same
+            assert block == pytest.approx(token, abs=1e-12)
+        else:
+            gains.append(block - token)
+    assert min(gains) >= 0 and sum(g > 1e-3 for g in gains) > len(gains) // 2
+
+
+def test_a_position_not_drafted_ends_the_block():
+    """-1 with q = 0 at the second position: the block is the first draft alone, bonus included."""
+    chain = Chain(vocab=4, gamma=2, seed=3)
+    drafts = chain.sequences(2)[::5]  # a few chains
+    draft_probs, target_probs = chain.inputs(drafts)
+    cut_probs = draft_probs.clone()
+    cut_probs[:, 1] = 0
+    h, leftover = sampling.block_acceptance(
+        torch.stack([drafts[:, 0], torch.full_like(drafts[:, 0], -1)], 1), cut_probs, target_probs
+    )
+    h_one, leftover_one = sampling.block_acceptance(drafts[:, :1], draft_probs[:, :1], target_probs[:, :2])
+    assert torch.equal(h[:, 1], torch.zeros(len(drafts), dtype=torch.float64))
+    assert torch.allclose(h[:, :1], h_one) and torch.allclose(leftover[:, :2], leftover_one)

@@ -14,6 +14,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from test_sampling import block_acceptance_with_token_residual, verify_block_stopping_at_the_first_failure
 from typer.testing import CliRunner
 
 from specdec_cli import verify
@@ -204,8 +205,8 @@ def test_at_cut_tells_float_ties_from_tokens_outside_the_support():
 # ---------------------------------------------------------------- 1. the sampler
 
 
-def sampler_rows() -> dict[str, verify.Row]:
-    rows = verify.check_sampler(VOCAB, PARAMS, 4000, seed=0, significance=SIGNIFICANCE)
+def sampler_rows(verification: str = "token") -> dict[str, verify.Row]:
+    rows = verify.check_sampler(VOCAB, PARAMS, 4000, seed=0, significance=SIGNIFICANCE, verification=verification)
     verify.holm(rows, SIGNIFICANCE)
     return {row.what: row for row in rows}
 
@@ -214,10 +215,22 @@ def failing(rows) -> list[str]:
     return [row.what for row in (rows.values() if isinstance(rows, dict) else rows) if not row.passed]
 
 
-def test_sampler_check_passes_on_the_real_sampler():
-    rows = sampler_rows()
+@pytest.mark.parametrize("verification", ["token", "block"])
+def test_sampler_check_passes_on_the_real_sampler(verification):
+    rows = sampler_rows(verification)
     assert failing(rows) == []
     assert len(rows) == 11  # exact formula, 9 shapes, bonus
+    assert sum(what.startswith(f"{verify.VERIFIERS[verification]} draws") for what in rows) == 9
+
+
+def test_sampler_check_fails_on_broken_block_verification(monkeypatch):
+    monkeypatch.setattr(sampling, "block_acceptance", block_acceptance_with_token_residual)
+    assert failing(sampler_rows("block")) == [
+        "exact law of 2 block-verified drafts from block_acceptance, 9 shapes on their 12 likeliest tokens"
+    ]
+    monkeypatch.undo()
+    monkeypatch.setattr(sampling, "verify_block", verify_block_stopping_at_the_first_failure)
+    assert failing(sampler_rows("block")) == ["verify_block draws of 2 drafts, tokens 1 and 2: flat p, flat q"]
 
 
 def test_sampler_check_fails_without_the_clamp(monkeypatch):
@@ -248,6 +261,17 @@ def model_rows(pair, params: SamplingParams = PARAMS, **blocks) -> list[verify.R
     rows = verify.check_model(pair, pair.encode(PROMPT), "p", params, RUNS, seed=0, significance=SIGNIFICANCE, **blocks)
     verify.holm(rows, SIGNIFICANCE)
     return rows
+
+
+@pytest.fixture
+def block_pair(write_config):
+    return load_pair(load_config(str(write_config({"speculation": {"verification": "block"}, **ONE_THREAD}))))
+
+
+def test_model_checks_pass_on_block_verification_and_catch_a_broken_one(block_pair, monkeypatch):
+    assert failing(model_rows(block_pair, SamplingParams(temperature=0.6, top_k=20, top_p=0.9), batch_size=4)) == []
+    monkeypatch.setattr(engine, "verify_block", verify_block_stopping_at_the_first_failure)
+    assert failing(model_rows(block_pair))
 
 
 def test_model_checks_pass_on_the_real_engine(pair):
@@ -346,3 +370,13 @@ def test_command_with_too_few_draws_is_bad_input_not_a_pass(write_config):
     record = json.loads(runner.invoke(app, args + ["--json"]).stdout)
     assert record["verdict"] == "inconclusive" and record["summary"]["not_run"] == 6
     assert {row["status"] for row in record["checks"] if row["check"].startswith(("2", "3", "4"))} == {"not run"}
+
+
+def test_command_checks_block_verification(write_config):
+    config = str(write_config({"sampling": {"temperature": 1.0, "top_k": 20, "top_p": 0.9}, **ONE_THREAD}))
+    args = ["verify-distribution", "-c", config, "--verification", "block", "--batch-size", "4", "--samples", "40"]
+    result = runner.invoke(app, [*args, "--json", "-p", PROMPT])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["verdict"] == "pass" and record["config"]["speculation"]["verification"] == "block"
+    assert any(row["what"].startswith("verify_block draws") for row in record["checks"])

@@ -63,9 +63,10 @@ def _mode(row: dict) -> str:
     return f"{temperature_label(row['temperature'])}, γ={row['gamma']}"
 
 
-def category_report(summary: list[dict], draft: str) -> Report:
+def category_report(summary: list[dict], draft: str, rule: str) -> Report:
     """Per category and overall, one row per (category, gamma), greedy and sampled side by side.
-    Medians only; the ranges over repeats are in the overall table. `draft`: what drafted."""
+    Medians only; the ranges over repeats are in the overall table. `draft`: what drafted; `rule`: how
+    its sampled drafts were verified."""
     temperatures = sorted({r["temperature"] for r in summary})
     header = ["category", "γ"]
     for t in temperatures:
@@ -96,10 +97,10 @@ def category_report(summary: list[dict], draft: str) -> Report:
         f"{SPEEDUP_FORMULA}. acc len = mean accepted length: tokens per target forward, incl. the "
         f"bonus/recovered token (target-only = 1). acc rate = accepted / drafted."
     )
-    return Report("Speedup by category", header, rows, caption)
+    return Report(f"Speedup by category, {rule}", header, rows, caption)
 
 
-def detail_report(summary: list[dict]) -> Report:
+def detail_report(summary: list[dict], rule: str) -> Report:
     """Every overall number, one column per (temperature, gamma)."""
     overall = [r for r in summary if r["group"] == OVERALL]
     metrics = [
@@ -129,7 +130,7 @@ def detail_report(summary: list[dict]) -> Report:
         ),
     ]
     rows = [[name] + [cell(r) for r in overall] for name, cell in metrics]
-    return Report("Overall", ["metric"] + [_mode(r) for r in overall], rows, LEVIATHAN)
+    return Report(f"Overall, {rule}", ["metric"] + [_mode(r) for r in overall], rows, LEVIATHAN)
 
 
 def peer_report(peers: list[dict], caption: str) -> Report:
@@ -187,7 +188,7 @@ def _peer(row: dict) -> str:
     return f"{spread(row['peer_tokens_per_second'])} ({spread(row['speculative_end_to_end_tokens_per_second'])})"
 
 
-def batch_report(rows: list[dict]) -> Report:
+def batch_report(rows: list[dict], rule: str) -> Report:
     header = [
         "batch",
         "mode",
@@ -223,7 +224,7 @@ def batch_report(rows: list[dict]) -> Report:
         ]
         for r in rows
     ]
-    return Report("Batch sizes", header, table, BATCH_NOTE)
+    return Report(f"Batch sizes, {rule}", header, table, BATCH_NOTE)
 
 
 COMPARED = [
@@ -264,9 +265,14 @@ def compare_report(a: dict, b: dict, names: tuple[str, str]) -> Report:
         "Compare",
         ["mode", "metric", names[0], names[1], "B / A"],
         rows,
-        f"A: {a['name']} ({a['timestamp']}), B: {b['name']} ({b['timestamp']}); tok/s and speedup are "
-        f"medians over repeats",
+        f"A: {a['name']} ({a['timestamp']}, {verification(a)}), B: {b['name']} ({b['timestamp']}, "
+        f"{verification(b)}); tok/s and speedup are medians over repeats",
     )
+
+
+def verification(record: dict) -> str:
+    # records written before the rule was configurable verified token by token
+    return f"{record['config']['speculation'].get('verification', 'token')} verification"
 
 
 def _value(x) -> float | None:

@@ -26,7 +26,7 @@ from specdec_cli.decoding.metrics import (
     vllm_mean_acceptance_length,
 )
 from specdec_cli.decoding.params import SamplingParams
-from specdec_cli.decoding.sampling import verify_greedy, verify_sampled, warp
+from specdec_cli.decoding.sampling import verify_block, verify_greedy, verify_sampled, warp
 from specdec_cli.drafters.base import Drafter
 
 # called after each block with the tokens it added and how many of them were accepted draft tokens
@@ -123,12 +123,14 @@ class SpeculativeDecoder:
         params: SamplingParams,
         num_draft_tokens: int,
         eos_token_ids: set[int],
+        verification: str = "token",  # sampled drafts: "token" (verify_sampled) or "block" (verify_block)
     ):
         self.target = target
         self.drafter = drafter
         self.params = params
         self.gamma = num_draft_tokens if drafter is not None else 0
         self.eos_token_ids = eos_token_ids
+        self.verification = verification
         self.clock = Clock(target.device)
 
     def generate(
@@ -198,7 +200,8 @@ class SpeculativeDecoder:
                 target_probs = warp(logits, self.params)
                 if draft_probs is None:  # target-only: nothing to test, sample from p
                     draft_probs = target_probs[:, :0]
-                num_accepted, next_token = verify_sampled(drafts, draft_probs, target_probs, generator)
+                verify = verify_block if self.verification == "block" else verify_sampled
+                num_accepted, next_token = verify(drafts, draft_probs, target_probs, generator)
             # the one host sync of the block: accepted counts, next tokens and the draft ids together
             host = to_host(torch.cat([num_accepted, next_token, drafts.flatten()]))
             batch = len(active)

@@ -81,7 +81,8 @@ class Pair:
             else:  # each side its own length; the decoder's is the longer
                 drafter = LookupFirstDrafter(self.lookup, drafter, lookup_tokens, gamma)
                 gamma = max(gamma, lookup_tokens)
-        return SpeculativeDecoder(self.target, drafter, params, gamma, self.eos_token_ids)
+        verification = self.config.speculation.verification
+        return SpeculativeDecoder(self.target, drafter, params, gamma, self.eos_token_ids, verification)
 
     def encode(self, prompt: str, raw: bool = False, history: list[dict] | None = None) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, raw, history)
