@@ -130,7 +130,7 @@ def assert_one_line_error(result, *fragments: str, code: int = EXIT_BAD_INPUT):
         ({"sampling": {"top_p": 0}}, ["top_p must be in (0, 1]"]),
         ({"sampling": {"top_p": 1.5}}, ["top_p must be in (0, 1]"]),
         ({"sampling": {"top_k": -1}}, ["top_k must be >= 0"]),
-        ({"speculation": {"num_draft_tokens": 0}}, ["num_draft_tokens must be >= 1"]),
+        ({"speculation": {"num_draft_tokens": 0}}, ["num_draft_tokens must be between 1 and 256"]),
         ({"speculation": {"confidence_threshold": 1}}, ["confidence_threshold must be in [0, 1)"]),
         ({"speculation": {"verification": "blocks"}}, ["verification must be token or block, got 'blocks'"]),
         (
@@ -155,7 +155,7 @@ def test_config_errors(write_config, changes, fragments):
         (["--temperature", "nan"], ["temperature must be a finite number >= 0"]),
         (["--temperature", "inf"], ["temperature must be a finite number >= 0"]),
         (["--top-p", "2"], ["top_p must be in (0, 1]"]),
-        (["--gamma", "0"], ["num_draft_tokens must be >= 1"]),
+        (["--gamma", "0"], ["num_draft_tokens must be between 1 and 256"]),
         (["--confidence-threshold", "-0.1"], ["confidence_threshold must be in [0, 1)"]),
         (["--verification", "Block"], ["verification must be token or block, got 'Block'"]),
     ],

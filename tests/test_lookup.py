@@ -140,7 +140,7 @@ def test_sampled_lookup_blocks_start_at_the_models_length_and_double_while_accep
 
 
 def test_lookup_length_is_checked():
-    with pytest.raises(SpecdecError, match="lookup num_draft_tokens must be >= 1, got 0"):
+    with pytest.raises(SpecdecError, match="lookup num_draft_tokens must be between 1 and 256, got 0"):
         parse_config({**TINY_PAIR, "draft": {"tiny": {"seed": 0}, "lookup": {"num_draft_tokens": 0}}})
     with pytest.raises(SpecdecError, match="num_draft_tokens"):  # the ngram drafter's length is the decoder's
         parse_config({**TINY_PAIR, "draft": {"ngram": {"num_draft_tokens": 6}}})

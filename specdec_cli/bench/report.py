@@ -272,7 +272,7 @@ def compare_report(a: dict, b: dict, names: tuple[str, str]) -> Report:
 
 def verification(record: dict) -> str:
     # records written before the rule was configurable verified token by token
-    return f"{record['config']['speculation'].get('verification', 'token')} verification"
+    return f"{record.get('config', {}).get('speculation', {}).get('verification', 'token')} verification"
 
 
 def _value(x) -> float | None:
