@@ -29,6 +29,7 @@ from specdec_cli.options import (
     ThreadsOpt,
     TopKOpt,
     TopPOpt,
+    TreeOpt,
     configure,
     read_prompt,
     reports_errors,
@@ -93,6 +94,7 @@ def generate(
     seed: SeedOpt = None,
     num_draft_tokens: GammaOpt = None,
     confidence_threshold: ConfidenceOpt = None,
+    tree: TreeOpt = None,
     max_new_tokens: MaxNewOpt = None,
     ignore_eos: IgnoreEosOpt = None,
     device: DeviceOpt = None,
@@ -105,6 +107,7 @@ def generate(
     config's YAML values."""
     cfg = configure(
         config,
+        tree,
         sampling__temperature=temperature,
         sampling__top_k=top_k,
         sampling__top_p=top_p,
@@ -257,6 +260,7 @@ def verify_distribution(
     seed: SeedOpt = None,
     num_draft_tokens: GammaOpt = None,
     confidence_threshold: ConfidenceOpt = None,
+    tree: TreeOpt = None,
     max_new_tokens: MaxNewOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
@@ -273,6 +277,7 @@ def verify_distribution(
         raise SpecdecError("the distribution checks need --temperature > 0 (greedy identity always runs)")
     cfg = configure(
         config,
+        tree,
         sampling__temperature=temperature,
         sampling__top_k=top_k,
         sampling__top_p=top_p,

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from specdec_cli.config import DEFAULT_CONFIG, Config, apply_overrides, load_config
+from specdec_cli.config import DEFAULT_CONFIG, Config, apply_overrides, load_config, parse_tree
 from specdec_cli.errors import SpecdecError
 
 EXIT_INTERRUPTED = 130
@@ -30,6 +30,13 @@ GammaOpt = Annotated[
 ConfidenceOpt = Annotated[
     Optional[float],
     typer.Option(help="A draft model stops drafting a block at a token it gives less probability than this; 0 never."),
+]
+TreeOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        help="Draft a tree instead of a chain: DEPTH,TOP_K,MAX_NODES, e.g. 4,3,16 (per depth the top-k children "
+        "of the top-k most probable nodes; the max-nodes most probable verified at once)."
+    ),
 ]
 MaxNewOpt = Annotated[Optional[int], typer.Option(help="Most tokens to generate.")]
 IgnoreEosOpt = Annotated[
@@ -66,9 +73,16 @@ def reports_errors(command):
     return wrapper
 
 
-def configure(config: str | None, **overrides) -> Config:
-    """Load the YAML and apply flags given as section__key=value (None: not given)."""
-    return apply_overrides(load_config(config), {key.replace("__", "."): value for key, value in overrides.items()})
+def configure(config: str | None, tree: str | None = None, **overrides) -> Config:
+    """Load the YAML and apply flags given as section__key=value (None: not given). `tree`: --tree's
+    text. --gamma asks for a chain and --tree for a tree, over whichever the YAML has."""
+    cfg = load_config(config)
+    if overrides.get("speculation__num_draft_tokens") is not None:
+        if tree is not None:
+            raise SpecdecError("--num-draft-tokens drafts a chain and --tree a tree: give one of them")
+        cfg.speculation.tree = None
+    overrides["speculation__tree"] = parse_tree(tree) if tree is not None else None
+    return apply_overrides(cfg, {key.replace("__", "."): value for key, value in overrides.items()})
 
 
 def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
