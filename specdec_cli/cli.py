@@ -13,6 +13,7 @@ import typer
 from specdec_cli.bench.plan import choose_prompts, make_plan, parse_list
 from specdec_cli.bench.prompts import load_prompts
 from specdec_cli.bench.report import compare as compare_records
+from specdec_cli.config import parse_tree
 from specdec_cli.errors import SpecdecError
 from specdec_cli.options import (
     EXIT_INTERRUPTED,
@@ -142,6 +143,7 @@ def generate(
   specdec benchmark --prompts question.jsonl --category qa --limit 5 --peer hf\n
   specdec benchmark --min-speedup 1.2 --min-accept-length 2 --json > result.json\n
   specdec benchmark --batch-sizes 1,2,4,8 --max-new-tokens 64\n
+  specdec benchmark -c tiny-random --tree 4,3,16 --tree 3,2,8   # a chain and two trees side by side\n
   specdec benchmark --compare runs/A runs/B"""
 )
 @reports_errors
@@ -162,6 +164,13 @@ def benchmark(
     temperatures: Annotated[
         Optional[str],
         typer.Option(help="Temperatures, e.g. 0,0.7,1.0 (default: 0 and the config's, 1.0 if it is greedy)."),
+    ] = None,
+    tree: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            help="Also measure a draft tree DEPTH,TOP_K,MAX_NODES, e.g. 4,3,16, beside the chains; repeat for "
+            "several (default: the config's tree, if it has one)."
+        ),
     ] = None,
     confidence_threshold: ConfidenceOpt = None,
     max_new_tokens: MaxNewOpt = None,
@@ -221,6 +230,7 @@ def benchmark(
         warmup,
         peer,
         parse_list(batch_sizes, int, "--batch-sizes"),
+        [parse_tree(shape) for shape in tree or []],
     )
     selected = choose_prompts(prompts, category, limit)
     from specdec_cli.benchmark import execute  # torch/transformers load only once arguments are fine

@@ -93,7 +93,7 @@ class Sampling:
     seed: int = 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class TreeShape:
     """A draft tree (EAGLE-2's dynamic tree): per depth, the top_k children of the top_k most probable
     frontier nodes are drafted; the max_nodes most probable nodes of all are verified in one forward."""
@@ -112,8 +112,13 @@ class TreeShape:
         """The most cache slots a block writes past the context: the target's tree, or the draft's frontiers."""
         return max(self.max_nodes, self.depth * self.top_k)
 
+    @property
+    def spec(self) -> str:
+        """As --tree spells it: DEPTH,TOP_K,MAX_NODES."""
+        return f"{self.depth},{self.top_k},{self.max_nodes}"
+
     def describe(self) -> str:
-        return f"tree {self.depth},{self.top_k},{self.max_nodes} (depth, top-k, nodes)"
+        return f"tree {self.spec} (depth, top-k, nodes)"
 
 
 def parse_tree(text: str) -> TreeShape:

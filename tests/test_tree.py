@@ -49,15 +49,14 @@ def restore_threads():
 # ---------------------------------------------------------------- structure
 
 
-def reference_tree(table: torch.Tensor, shape: TreeShape) -> tuple[dict, list]:
-    """EAGLE-2's expansion by enumeration, for a draft whose log probabilities depend only on the depth
-    and the last token (table [depth, V + 1, V], row V: the root): {path: score} of the kept nodes, and
-    the fed frontiers (lists of paths, best first)."""
+def reference_tree(log_probs, shape: TreeShape) -> tuple[dict, list]:
+    """EAGLE-2's expansion by enumeration: log_probs(path) -> the draft's next-token log probabilities
+    after the path [V]. Returns {path: score} of the kept nodes, and the fed frontiers (best first)."""
     candidates, frontier, fed = {}, [()], []
     for depth in range(shape.depth):
         new = {}
         for path in frontier:
-            row = table[depth, path[-1] if path else -1]
+            row = log_probs(path)
             for token in row.topk(shape.top_k).indices.tolist():
                 new[path + (token,)] = candidates.get(path, 0.0) + float(row[token])
         candidates.update(new)
@@ -66,6 +65,15 @@ def reference_tree(table: torch.Tensor, shape: TreeShape) -> tuple[dict, list]:
             fed.append(frontier)
     kept = sorted(candidates, key=candidates.get, reverse=True)[: shape.max_nodes]
     return {path: candidates[path] for path in kept}, fed
+
+
+def tree_paths(drafted: tree.DraftTree, row: int = 0) -> list[tuple]:
+    """Per slot, the tokens from the root to it; parents must come first."""
+    paths = [()]
+    for token, parent in zip(drafted.tokens[row].tolist(), drafted.parents[row].tolist()):
+        assert parent < len(paths)
+        paths.append(paths[parent] + (token,))
+    return paths
 
 
 def grown_tree(table: torch.Tensor, shape: TreeShape) -> tuple[tree.DraftTree, torch.Tensor]:
@@ -81,22 +89,39 @@ def grown_tree(table: torch.Tensor, shape: TreeShape) -> tuple[tree.DraftTree, t
 def test_growth_is_eagle2s_dynamic_tree(shape):
     vocab = 12
     table = (2 * torch.randn(shape.depth, vocab + 1, vocab, generator=torch.Generator().manual_seed(0))).log_softmax(-1)
-    expected, fed_frontiers = reference_tree(table, shape)
+    expected, fed_frontiers = reference_tree(lambda path: table[len(path), path[-1] if path else -1], shape)
     drafted, fed = grown_tree(table, shape)
-    parents, tokens = drafted.parents[0].tolist(), drafted.tokens[0].tolist()
-    paths = [()]  # per slot
-    for token, parent in zip(tokens, parents):
-        assert parent < len(paths)  # parents come before their children
-        paths.append(paths[parent] + (token,))
+    paths = tree_paths(drafted)
     assert set(paths[1:]) == set(expected)  # the max_nodes most probable nodes
-    for parent in set(parents):  # siblings: most probable first
-        sibling_scores = [expected[paths[i + 1]] for i, p in enumerate(parents) if p == parent]
+    for parent in set(drafted.parents[0].tolist()):  # siblings: most probable first
+        sibling_scores = [expected[paths[i + 1]] for i, p in enumerate(drafted.parents[0].tolist()) if p == parent]
         assert sibling_scores == sorted(sibling_scores, reverse=True)
     # the draft's cache: the root in slot 0, then each fed frontier, best first
     fed_slot = {(): 0} | {
         path: 1 + d * shape.top_k + j for d, f in enumerate(fed_frontiers) for j, path in enumerate(f)
     }
     assert fed[0].tolist() == [fed_slot.get(path, -1) for path in paths]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_a_draft_models_tree_is_the_expansion_of_fresh_forwards(noisy_draft, tokenizer, temperature):
+    """The draft's frontier forwards (tree mask and positions in its own cache) score every path as a
+    fresh forward over the context and the path does; sampled, by the warped q."""
+    shape, params = TreeShape(4, 3, 16), SamplingParams(temperature, top_k=20)
+    prompts = [tokenizer.encode(p) for p in PROMPTS[1:3]]
+    drafter = ModelDrafter(cached(noisy_draft))
+    drafter.start(prompts, 100, None)
+    drafted = drafter.propose_tree(shape, params, None)
+    for row, prompt in enumerate(prompts):
+
+        def log_probs(path, prompt=prompt):
+            fresh = cached(noisy_draft)
+            fresh.reset(len(prompt) + len(path))
+            logits = fresh.forward(torch.tensor([prompt + list(path)]), logits="last").logits[0, -1]
+            return tree.draft_log_probs(logits, params)
+
+        expected, _ = reference_tree(log_probs, shape)
+        assert set(tree_paths(drafted, row)[1:]) == set(expected)
 
 
 def test_tree_mask_shows_context_and_ancestors_only():
@@ -468,3 +493,26 @@ def test_generate_names_the_tree(write_config):
     record = json.loads(result.stdout)
     assert record["config"]["speculation"]["tree"]["max_nodes"] == 6
     assert record["stats"]["new_tokens"] == 16 and all(s["drafted"] <= 3 for s in record["steps"])
+
+
+def test_benchmark_measures_chains_and_trees_side_by_side(write_config, tmp_path):
+    # the draft is the target and the tree one path: greedy, every block accepts the whole depth
+    config = write_config({"draft": {"tiny": {"seed": 0}}, "generation": {"max_new_tokens": 12, "ignore_eos": True}})
+    args = ["benchmark", "-c", str(config), "--gamma", "2", "--tree", "3,1,3", "--temperatures", "0,1"]
+    result = runner.invoke(app, args + ["--batch-sizes", "2", "--category", "qa", "--limit", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert [(r["temperature"], r["gamma"], r["tree"]) for r in record["runs"][:3]] == [
+        (0.0, 0, None),
+        (0.0, 2, None),
+        (0.0, 3, "3,1,3"),
+    ]
+    overall = {(r["temperature"], r["tree"]): r for r in record["summary"] if r["group"] == "overall"}
+    assert set(overall) == {(0.0, None), (0.0, "3,1,3"), (1.0, None), (1.0, "3,1,3")}
+    greedy_tree = overall[(0.0, "3,1,3")]
+    assert greedy_tree["mean_accepted_length"] == 4.0 and greedy_tree["acceptance_by_position"] == [1.0] * 3
+    assert greedy_tree["greedy_identical"] == greedy_tree["prompts"] == 2
+    assert greedy_tree["predicted_speedup"] is None  # Leviathan's formula is a chain's
+    assert {(r["batch_size"], r["tree"]) for r in record["batch_summary"]} >= {(2, "3,1,3"), (2, None)}
+    report = next((tmp_path / "runs").glob("*-benchmark-tiny-test")) / "report.md"
+    assert "greedy, tree 3,1,3" in report.read_text() and "| tree 3,1,3 |" in report.read_text()
