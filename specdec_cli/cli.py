@@ -143,7 +143,7 @@ def generate(
   specdec benchmark --prompts question.jsonl --category qa --limit 5 --peer hf\n
   specdec benchmark --min-speedup 1.2 --min-accept-length 2 --json > result.json\n
   specdec benchmark --batch-sizes 1,2,4,8 --max-new-tokens 64\n
-  specdec benchmark -c tiny-random --tree 4,3,16 --tree 3,2,8   # a chain and two trees side by side\n
+  specdec benchmark -c smollm2-draft-only --tree 4,3,16 --tree 3,2,8   # a chain and two trees side by side\n
   specdec benchmark --compare runs/A runs/B"""
 )
 @reports_errors

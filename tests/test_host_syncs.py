@@ -141,7 +141,18 @@ def count_traffic(pair, prompts, params):
     return traffic, blocks
 
 
-KINDS = ["model", "feature", "eagle3", "medusa", "dflash", "ngram", "model+lookup", "feature+lookup", "model+tree"]
+KINDS = [
+    "model",
+    "feature",
+    "eagle3",
+    "medusa",
+    "dflash",
+    "ngram",
+    "model+lookup",
+    "feature+lookup",
+    "model+tree",
+    "feature+tree",
+]
 
 
 @pytest.mark.parametrize("kind", KINDS)

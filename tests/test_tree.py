@@ -22,9 +22,11 @@ from specdec_cli.decoding.cache import CachedModel
 from specdec_cli.decoding.engine import SpeculativeDecoder
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.decoding.sampling import residual, sample
+from specdec_cli.drafters.feature import FeatureDrafter
 from specdec_cli.drafters.model import ModelDrafter
 from specdec_cli.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED
 from specdec_cli.models.checkpoints import build_tiny
+from specdec_cli.models.feature_draft import feature_inputs, init_draft, target_layers
 from specdec_cli.models.pair import load_pair
 
 SIGNIFICANCE = 0.01
@@ -138,6 +140,46 @@ def test_tree_mask_shows_context_and_ancestors_only():
     ]
     assert positions[0].tolist() == [0, 1, 2, 3, 3, 4, 6]  # a and b at depth 1, c at depth 2
     assert region.positions.tolist() == [[2, 3, 3, 4]]
+
+
+def feature_draft(target, taps=(0, 1)):
+    """A feature draft for `target` whose head scores every other token (a vocabulary subset)."""
+    return init_draft(target, 1, torch.arange(0, target.config.vocab_size, 2), taps).eval()
+
+
+def started_feature_drafter(target, draft, prompts: list[list[int]]) -> FeatureDrafter:
+    """A feature drafter after the prefill, as the decode loop starts it."""
+    reader = CachedModel(target, target.config.vocab_size, target_layers(draft))
+    reader.reset(max(map(len, prompts)))
+    ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(p[:-1]) for p in prompts], batch_first=True)
+    states = reader.forward(ids, counts=[len(p) - 1 for p in prompts], logits="none", hidden=True).hidden
+    drafter = FeatureDrafter(cached(draft))
+    drafter.start(prompts, 100, states)
+    return drafter
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_a_feature_drafts_tree_is_the_expansion_of_its_chain_steps(tiny_target, tokenizer, temperature):
+    """Every node is read beside its parent's state: the tree scores each path as the chain's steps
+    forced along it do (context beside the target's states, then the path beside the draft's own)."""
+    shape, params = TreeShape(3, 3, 9), SamplingParams(temperature, top_k=20)
+    draft = feature_draft(tiny_target)
+    prompts = [tokenizer.encode(p) for p in PROMPTS[1:3]]
+    drafted = started_feature_drafter(tiny_target, draft, prompts).propose_tree(shape, params, None)
+    for row, prompt in enumerate(prompts):
+
+        def log_probs(path, prompt=prompt):
+            drafter = started_feature_drafter(tiny_target, draft, [prompt])
+            out = drafter._forward(drafter.pending, drafter.pending_states, "last")
+            logits, state = out.logits[:, -1], out.hidden[:, -1:]
+            for token in path:
+                inputs = feature_inputs(draft, torch.tensor([[token]]), state)
+                out = drafter.model.forward(inputs_embeds=inputs, logits="last", hidden=True)
+                logits, state = out.logits[:, -1], out.hidden[:, -1:]
+            return tree.draft_log_probs(logits[0], params, drafter.subset)
+
+        expected, _ = reference_tree(log_probs, shape)
+        assert set(tree_paths(drafted, row)[1:]) == set(expected)
 
 
 # ---------------------------------------------------------------- the sampled rule
@@ -277,19 +319,21 @@ def test_greedy_trees_are_the_target_alone(tiny_target, noisy_draft, tokenizer, 
 
 
 class CheckedTree:
-    """Passes every call to a ModelDrafter; after start, commit_tree and keep, checks that its cache
-    holds the rows' contexts but `pending`, with the keys and values a fresh prefill of them gives
-    (right tokens, right positions, nothing of a rejected branch)."""
+    """Passes every call to a model or feature drafter; after start, commit_tree and keep, checks that
+    its cache holds the rows' contexts but `pending`; a draft model's with the keys and values a fresh
+    prefill of them gives (right tokens, right positions, nothing of a rejected branch)."""
 
-    reads_target_states = False
-
-    def __init__(self, drafter: ModelDrafter):
+    def __init__(self, drafter: ModelDrafter | FeatureDrafter):
         self.inner = drafter
+        self.reads_target_states = drafter.reads_target_states
         self.context: list[list[int]] = []
         self.blocks = 0
 
     def check(self):
         model = self.inner.model
+        if isinstance(self.inner, FeatureDrafter):  # input j is (state j, token j + 1): one entry fewer
+            assert [n + len(p) + 1 for n, p in zip(model.lengths, self.inner.pending)] == list(map(len, self.context))
+            return
         for row, context in enumerate(self.context):
             length = model.lengths[row]
             assert context[length:] == self.inner.pending[row]
@@ -351,6 +395,29 @@ def test_the_draft_check_catches_a_path_left_in_place(tiny_target, noisy_draft, 
         decode_checked(tiny_target, noisy_draft, tokenizer, 0.0)
 
 
+@pytest.mark.parametrize("shape", [TreeShape(4, 3, 16), TreeShape(2, 4, 20)], ids=["4,3,16", "2,4,20"])
+def test_greedy_feature_trees_are_the_target_alone(tiny_target, tokenizer, shape):
+    # the first prompt has one token: its row has no target state to draft from in the first block
+    prompts = [tokenizer.encode(p) for p in ["H"] + PROMPTS[1:]]
+    alone = SpeculativeDecoder(cached(tiny_target), None, SamplingParams(), 1, set())
+    expected = [alone.generate(p, 30, 0).token_ids for p in prompts]
+    draft = feature_draft(tiny_target)
+    target = CachedModel(tiny_target, tiny_target.config.vocab_size, target_layers(draft))
+    decoder = SpeculativeDecoder(target, FeatureDrafter(cached(draft)), SamplingParams(), shape.depth, set(), shape)
+    assert [r.token_ids for r in decoder.generate_batch(prompts, 30, 0)] == expected  # batch 4
+    assert decoder.generate(prompts[0], 30, 0).token_ids == expected[0]  # batch 1
+
+
+def test_a_feature_draft_holds_the_context_after_every_tree(tiny_target, tokenizer):
+    """Its rule (drafters/feature.py): cache + pending + 1 = the context, after every call."""
+    draft = feature_draft(tiny_target)
+    checked = CheckedTree(FeatureDrafter(cached(draft)))
+    target = CachedModel(tiny_target, tiny_target.config.vocab_size, target_layers(draft))
+    decoder = SpeculativeDecoder(target, checked, SamplingParams(1.0), 3, set(), TreeShape(3, 2, 6))
+    decoder.generate_batch([tokenizer.encode(p) for p in ["H"] + PROMPTS[1:]], 24, 0)
+    assert checked.blocks >= 5
+
+
 # ---------------------------------------------------------------- verify-distribution on trees
 
 RUNS = 300
@@ -389,6 +456,21 @@ def test_tree_checks_pass_on_the_real_engine(write_config, params, batch_size):
     rows = model_rows(tree_pair(write_config), params, batch_size)
     assert failing(rows) == []
     assert sum(r.p_value is not None for r in rows) >= 5  # the tests ran, not skipped for want of draws
+
+
+def test_feature_tree_checks_pass(write_config, tmp_path):
+    from test_host_syncs import feature_draft_folder  # specdec's feature draft for an 8-layer tiny target
+
+    changes = {
+        "target": {"tiny": {"seed": 0, "num_layers": 8}},
+        "draft": {"checkpoint": str(feature_draft_folder(tmp_path))},
+        "speculation": {"tree": {"depth": 3, "top_k": 2, "max_nodes": 6}},
+        **ONE_THREAD,
+    }
+    pair = load_pair(load_config(str(write_config(changes))))
+    assert isinstance(pair.drafter, FeatureDrafter)
+    rows = model_rows(pair, SamplingParams(0.6, top_k=20, top_p=0.9), batch_size=4)
+    assert failing(rows) == [] and sum(r.p_value is not None for r in rows) >= 5
 
 
 def greedy_at_temperature(monkeypatch) -> None:

@@ -29,7 +29,9 @@ from specdec_cli.decoding.sampling import residual, sample, warp
 
 class DraftTree(NamedTuple):
     tokens: torch.Tensor  # [B, n] node tokens
-    parents: torch.Tensor  # [B, n] each node's parent slot: 0 the root, i + 1 node i (< its own slot)
+    # [B, n] each node's parent slot: 0 the root, i + 1 node i (< its own slot); -1 a placeholder that
+    # is no node of the tree (a row that drafted nothing: the walk emits the target's token at the root)
+    parents: torch.Tensor
     depth: int  # the depth the tree was drafted to: no path is longer
 
     @property
@@ -130,12 +132,17 @@ class TreeGrowth:
         """[B, k] the tokens of the frontier, to be fed to the draft."""
         return self.tokens[-1].gather(1, self.local_frontier)
 
+    @property
+    def frontier_parents(self) -> torch.Tensor:
+        """[B, k] the fed slot of each frontier node's parent (0: the root)."""
+        fed_of = torch.cat(self.fed_of, dim=1)  # [B, count + 1]
+        return fed_of.gather(1, torch.cat(self.parents, dim=1).gather(1, self.frontier - 1))
+
     def region(self, root: list[int]) -> Region:
         """Where the frontier goes in the draft's cache (after the fed slots, the root's at `root`);
         records the frontier as fed."""
         k, start = self.shape.top_k, self.fed
-        fed_of = torch.cat(self.fed_of, dim=1)  # [B, count + 1]
-        parent_fed = fed_of.gather(1, torch.cat(self.parents, dim=1).gather(1, self.frontier - 1))  # [B, k]
+        parent_fed = self.frontier_parents
         rows = self.fed_visible.gather(1, parent_fed[..., None].expand(-1, -1, self.fed_visible.shape[2]))
         self.fed_visible[:, start : start + k] |= rows
         self.fed_depths[:, start : start + k].fill_(len(self.tokens))
@@ -158,12 +165,16 @@ class TreeGrowth:
         return DraftTree(torch.cat(self.tokens, dim=1).gather(1, chosen), parents, self.shape.depth), fed
 
 
-def draft_log_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def draft_log_probs(logits: torch.Tensor, params: SamplingParams, subset: torch.Tensor | None = None) -> torch.Tensor:
     """What a tree is grown by: log q, the warped draft distribution, when sampling; the plain
-    softmax's when greedy (nothing is sampled from the draft either way)."""
+    softmax's when greedy (nothing is sampled from the draft either way). `subset`: the token ids a
+    draft's head scores (every other logit is -inf): warped over them alone, the same q, cheaper."""
     if params.greedy:
         return logits.float().log_softmax(dim=-1)
-    return warp(logits, params).log()
+    if subset is None:
+        return warp(logits, params).log()
+    log_q = torch.full_like(logits, float("-inf"), dtype=torch.float32)
+    return log_q.index_copy_(-1, subset, warp(logits[..., subset], params).log())
 
 
 # ---------------------------------------------------------------- verification
