@@ -13,6 +13,7 @@ import typer
 from specdec_cli.bench.plan import choose_prompts, make_plan, parse_list
 from specdec_cli.bench.prompts import load_prompts
 from specdec_cli.bench.report import compare as compare_records
+from specdec_cli.config import parse_tree
 from specdec_cli.errors import SpecdecError
 from specdec_cli.options import (
     EXIT_INTERRUPTED,
@@ -31,6 +32,7 @@ from specdec_cli.options import (
     ThreadsOpt,
     TopKOpt,
     TopPOpt,
+    TreeOpt,
     VerificationOpt,
     configure,
     read_prompt,
@@ -97,6 +99,7 @@ def generate(
     num_draft_tokens: GammaOpt = None,
     confidence_threshold: ConfidenceOpt = None,
     verification: VerificationOpt = None,
+    tree: TreeOpt = None,
     max_new_tokens: MaxNewOpt = None,
     ignore_eos: IgnoreEosOpt = None,
     device: DeviceOpt = None,
@@ -113,6 +116,7 @@ def generate(
         config,
         runs_dir,
         record,
+        tree,
         sampling__temperature=temperature,
         sampling__top_k=top_k,
         sampling__top_p=top_p,
@@ -149,6 +153,7 @@ def generate(
   specdec benchmark --min-speedup 1.2 --min-accept-length 2 --json > result.json\n
   specdec benchmark --batch-sizes 1,2,4,8 --max-new-tokens 64\n
   specdec benchmark --temperatures 1 --verification block   # then --compare with a token run\n
+  specdec benchmark -c smollm2-draft-only --tree 4,3,16 --tree 3,2,8   # a chain and two trees side by side\n
   specdec benchmark --compare runs/A runs/B"""
 )
 @reports_errors
@@ -169,6 +174,13 @@ def benchmark(
     temperatures: Annotated[
         Optional[str],
         typer.Option(help="Temperatures, e.g. 0,0.7,1.0 (default: 0 and the config's, 1.0 if it is greedy)."),
+    ] = None,
+    tree: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            help="Also measure a draft tree DEPTH,TOP_K,MAX_NODES, e.g. 4,3,16, beside the chains; repeat for "
+            "several (default: the config's tree, if it has one)."
+        ),
     ] = None,
     confidence_threshold: ConfidenceOpt = None,
     verification: VerificationOpt = None,
@@ -234,6 +246,7 @@ def benchmark(
         warmup,
         peer,
         parse_list(batch_sizes, int, "--batch-sizes"),
+        [parse_tree(shape) for shape in tree or []],
     )
     selected = choose_prompts(prompts, category, limit)
     from specdec_cli.benchmark import execute  # torch/transformers load only once arguments are fine
@@ -275,6 +288,7 @@ def verify_distribution(
     num_draft_tokens: GammaOpt = None,
     confidence_threshold: ConfidenceOpt = None,
     verification: VerificationOpt = None,
+    tree: TreeOpt = None,
     max_new_tokens: MaxNewOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
@@ -295,6 +309,7 @@ def verify_distribution(
         config,
         runs_dir,
         record,
+        tree,
         sampling__temperature=temperature,
         sampling__top_k=top_k,
         sampling__top_p=top_p,

@@ -96,9 +96,58 @@ class Sampling:
     seed: int = 0
 
 
+@dataclass(frozen=True)
+class TreeShape:
+    """A draft tree (EAGLE-2's dynamic tree): per depth, the top_k children of the top_k most probable
+    frontier nodes are drafted; the max_nodes most probable nodes of all are verified in one forward."""
+
+    depth: int = 4
+    top_k: int = 3
+    max_nodes: int = 16
+
+    @property
+    def candidates(self) -> int:
+        """Nodes drafted before the cut to max_nodes: top_k at depth 1, top_k * top_k at each depth after."""
+        return self.top_k + (self.depth - 1) * self.top_k**2
+
+    @property
+    def width(self) -> int:
+        """The most cache slots a block writes past the context: the target's tree, or the draft's frontiers."""
+        return max(self.max_nodes, self.depth * self.top_k)
+
+    @property
+    def spec(self) -> str:
+        """As --tree spells it: DEPTH,TOP_K,MAX_NODES."""
+        return f"{self.depth},{self.top_k},{self.max_nodes}"
+
+    def describe(self) -> str:
+        return f"tree {self.spec} (depth, top-k, nodes)"
+
+
+def parse_tree(text: str) -> TreeShape:
+    """ "4,3,16" -> TreeShape(depth=4, top_k=3, max_nodes=16), checked."""
+    try:
+        depth, top_k, max_nodes = (int(v) for v in text.split(","))
+    except ValueError:
+        raise SpecdecError(f"--tree: expected DEPTH,TOP_K,MAX_NODES (e.g. 4,3,16), got {text!r}") from None
+    shape = TreeShape(depth, top_k, max_nodes)
+    check_tree(shape)
+    return shape
+
+
+def check_tree(shape: TreeShape) -> None:
+    if shape.depth < 1 or shape.top_k < 1:
+        raise SpecdecError(f"tree depth and top_k must be >= 1, got depth {shape.depth}, top_k {shape.top_k}")
+    if not shape.depth <= shape.max_nodes <= shape.candidates:
+        raise SpecdecError(
+            f"tree max_nodes must be at least its depth ({shape.depth}) and at most the nodes drafted, top_k + "
+            f"(depth - 1) top_k^2 = {shape.candidates}; got {shape.max_nodes}"
+        )
+
+
 @dataclass
 class Speculation:
-    num_draft_tokens: int = 4  # gamma: tokens drafted per target forward
+    num_draft_tokens: int = 4  # gamma: tokens drafted per target forward (a chain)
     # a draft model stops drafting a block at the first token it gives less than this probability
     # (in every row of a batch): unlikely drafts are mostly rejected, and each costs a draft step and
     # a wider verification. 0: always num_draft_tokens. The output stays exact either way.
@@ -107,6 +156,7 @@ class Speculation:
     # (Sun et al. 2025). Both are exact; block keeps at least as many drafts on average. Greedy drafts
     # are kept while they equal the target's argmax either way.
     verification: str = "token"
+    tree: TreeShape | None = None  # None: a chain of num_draft_tokens
 
 
 @dataclass
@@ -137,7 +187,10 @@ class Config:
         return dataclasses.asdict(self)
 
     def describe_drafting(self) -> str:
-        """Draft lengths for titles: the model's, where its threshold cuts them, and prompt lookup's."""
+        """Draft lengths for titles: the tree's shape, or the model's length, where its threshold cuts it,
+        and prompt lookup's."""
+        if self.speculation.tree:
+            return self.speculation.tree.describe()
         threshold, lookup = self.speculation.confidence_threshold, self.draft.lookup
         fewer = f" (fewer below confidence {threshold:g})" if threshold else ""
         by_lookup = f", up to {lookup.num_draft_tokens} by prompt lookup" if lookup and lookup.num_draft_tokens else ""
@@ -291,6 +344,14 @@ def validate(config: Config) -> None:
         )
     if config.speculation.verification not in VERIFICATIONS:
         raise SpecdecError(f"verification must be token or block, got {config.speculation.verification!r}")
+    if config.speculation.tree:
+        check_tree(config.speculation.tree)
+        if config.speculation.confidence_threshold:
+            raise SpecdecError(
+                "confidence_threshold cuts chains; a tree keeps its max_nodes most probable nodes: set one of them"
+            )
+    if config.speculation.tree and config.speculation.verification == "block":
+        raise SpecdecError("block verification judges a chain; a tree has its own rule: set verification: token")
     if config.generation.max_new_tokens < 1:
         raise SpecdecError(f"max_new_tokens must be >= 1, got {config.generation.max_new_tokens}")
     r = config.runtime

@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from specdec_cli import records
-from specdec_cli.config import DEFAULT_CONFIG, Config, apply_overrides, load_config
+from specdec_cli.config import DEFAULT_CONFIG, Config, apply_overrides, load_config, parse_tree
 from specdec_cli.errors import SpecdecError, out_of_memory, read_text
 
 EXIT_INTERRUPTED = 130
@@ -37,6 +37,13 @@ VerificationOpt = Annotated[
     typer.Option(
         help="How sampled drafts are verified: token (each on its own) or block (together, Sun et al. 2025); "
         "both exact, block keeps at least as many on average."
+    ),
+]
+TreeOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        help="Draft a tree instead of a chain: DEPTH,TOP_K,MAX_NODES, e.g. 4,3,16 (per depth the top-k children "
+        "of the top-k most probable nodes; the max-nodes most probable verified at once)."
     ),
 ]
 MaxNewOpt = Annotated[Optional[int], typer.Option(help="Most tokens to generate.")]
@@ -79,11 +86,20 @@ def reports_errors(command):
     return wrapper
 
 
-def configure(config: str | None, runs_dir: Path | None = None, record: bool = True, **overrides) -> Config:
+def configure(
+    config: str | None, runs_dir: Path | None = None, record: bool = True, tree: str | None = None, **overrides
+) -> Config:
     """Load the YAML and apply flags given as section__key=value (None: not given); say where the
-    run's record goes."""
+    run's record goes. `tree`: --tree's text. --gamma asks for a chain and --tree for a tree, over
+    whichever the YAML has."""
     records.configure(runs_dir, record)
-    return apply_overrides(load_config(config), {key.replace("__", "."): value for key, value in overrides.items()})
+    cfg = load_config(config)
+    if overrides.get("speculation__num_draft_tokens") is not None:
+        if tree is not None:
+            raise SpecdecError("--num-draft-tokens drafts a chain and --tree a tree: give one of them")
+        cfg.speculation.tree = None
+    overrides["speculation__tree"] = parse_tree(tree) if tree is not None else None
+    return apply_overrides(cfg, {key.replace("__", "."): value for key, value in overrides.items()})
 
 
 def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:

@@ -7,6 +7,7 @@ Five checks, all through the code `generate` uses (the sampler functions are loo
    engine's acceptance chances and corrections), and N chains of 2 drafts through its function
    (`verify_sampled` or `verify_block`) emit tokens 1 and 2 as p does: token 1, and token 2 given each
    frequent token 1 (and the bonus token against the distribution after the last position);
+   with a draft tree, N draws of the tree's rule at a node whose children are q's top-k tokens too;
 2. first token: N speculative runs (seeds s, s+1, ...) of BLOCKS * (gamma + 1) tokens each, token 1
    against the exact warped target distribution;
 3. positions 2..gamma+1: the same runs, conditional on their most frequent prefixes, against the
@@ -36,7 +37,7 @@ from scipy import stats
 
 from specdec_cli import display, records
 from specdec_cli.config import Config
-from specdec_cli.decoding import sampling
+from specdec_cli.decoding import sampling, tree
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, SpecdecError
 from specdec_cli.models.pair import Pair, load_pair
@@ -298,6 +299,25 @@ def sampler_draws(
     return torch.cat(first).numpy(), torch.cat(second).numpy(), after
 
 
+def tree_rule_draws(p: torch.Tensor, q: torch.Tensor, children: int, draws: int, gen: torch.Generator) -> np.ndarray:
+    """Counts of the token `tree.try_children` emits at a node whose children are q's top `children`
+    tokens (as a draft tree takes them), over `draws` runs: the first child that passed, else a draw
+    from the leftover."""
+    vocab = p.shape[-1]
+    tokens = q.topk(children).indices
+    counts = np.zeros(vocab)
+    chunk = max(1, SAMPLER_ELEMENTS // vocab)
+    for start in range(0, draws, chunk):
+        rows = min(chunk, draws - start)
+        passed, leftover = tree.try_children(
+            p.expand(rows, vocab), tokens.expand(rows, -1), torch.ones(rows, children, dtype=torch.bool), gen
+        )
+        first = torch.where(passed, torch.arange(children), children).min(dim=1).values  # children: none passed
+        emitted = torch.where(first < children, tokens[first.clamp_max(children - 1)], sampling.sample(leftover, gen))
+        counts += np.bincount(emitted.numpy(), minlength=vocab)
+    return counts
+
+
 def check_sampler(
     vocab_size: int,
     params: SamplingParams,
@@ -306,7 +326,10 @@ def check_sampler(
     significance: float,
     stage: Stage = no_progress,
     verification: str = "token",
+    tree_children: int = 0,
 ) -> list[Row]:
+    """The chain's accept-or-resample on every shape; with `tree_children`, also a draft tree's rule at a
+    node of that many children (q's most probable tokens)."""
     shapes = sampler_shapes(vocab_size, params, seed)
     bonus = (3 * torch.randn(vocab_size, generator=torch.Generator().manual_seed(seed + 1))).softmax(-1)
     errors, what = exact_errors(shapes, verification)
@@ -339,6 +362,10 @@ def check_sampler(
             fit.row("1 sampler", f"{name} draws of {SAMPLER_DRAFTS} drafts, tokens 1 and 2: {shape}", significance)
         )
         bonus_fit.add(after, bonus.double().numpy())
+        if tree_children:
+            fit = Fit()
+            fit.add(tree_rule_draws(p, q, tree_children, draws, gen), p.double().numpy())
+            rows.append(fit.row("1 sampler", f"tree rule draws, {tree_children} children: {name}", significance))
         advance()
     rows.append(bonus_fit.row("1 sampler", "bonus token after full acceptance, all shapes", significance))
     return rows
@@ -586,6 +613,7 @@ def describe_params(params: SamplingParams) -> str:
 def run_checks(pair: Pair, settings: Settings, stage: Stage = no_progress) -> list[Row]:
     """Every check on every prompt; Holm is applied over all the statistical rows together."""
     s = settings
+    tree_shape = pair.config.speculation.tree
     rows = check_sampler(
         pair.target.vocab_size,
         s.params,
@@ -594,6 +622,7 @@ def run_checks(pair: Pair, settings: Settings, stage: Stage = no_progress) -> li
         s.significance,
         stage,
         pair.config.speculation.verification,
+        tree_shape.top_k if tree_shape else 0,
     )
     encoded = [pair.encode(text) for text in s.prompts]
     for ids in encoded:

@@ -215,13 +215,17 @@ def test_block_verification_in_the_loop(tiny_target, noisy_draft, tokenizer):
     drafts, the same random draws), an identical draft keeps every draft, and a noisy one some."""
     prompt, sampled = tokenizer.encode(PROMPT), SamplingParams(temperature=1.0)
     alone = [
-        SpeculativeDecoder(cached(tiny_target), None, sampled, 1, set(), rule).generate(prompt, 24, 0).token_ids
+        SpeculativeDecoder(cached(tiny_target), None, sampled, 1, set(), verification=rule)
+        .generate(prompt, 24, 0)
+        .token_ids
         for rule in ("token", "block")
     ]
     assert alone[0] == alone[1]
     rates = [
         acceptance_rate(
-            SpeculativeDecoder(cached(tiny_target), ModelDrafter(cached(draft)), sampled, 3, set(), "block")
+            SpeculativeDecoder(
+                cached(tiny_target), ModelDrafter(cached(draft)), sampled, 3, set(), verification="block"
+            )
             .generate(prompt, 32, 0)
             .steps
         )

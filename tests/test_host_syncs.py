@@ -92,10 +92,12 @@ class HostReads(TorchFunctionMode):
 
 
 def pair_of(tmp_path, write_config, kind: str, threshold: float = 0.0, device: str = "cpu"):
-    """A pair whose drafter is `kind`, on the tiny target (8 layers: EAGLE-3's taps differ)."""
+    """A pair whose drafter is `kind`, on the tiny target (8 layers: EAGLE-3's taps differ); a kind
+    ending in "+tree" drafts trees."""
     target = {"tiny": {"seed": 0, "num_layers": 2 if kind == "dflash" else 8}}  # the DFlash draft reads 2
     lookup = {"lookup": {"max_n": 3, "min_n": 1, "num_draft_tokens": 4}} if kind.endswith("+lookup") else {}
-    base = kind.removesuffix("+lookup")
+    tree = {"depth": 3, "top_k": 2, "max_nodes": 6} if kind.endswith("+tree") else None
+    base = kind.removesuffix("+lookup").removesuffix("+tree")
     if base == "model":
         draft = {"tiny": {"seed": 0, "num_layers": 8, "noise": 0.01}}
     elif base == "ngram":
@@ -114,7 +116,7 @@ def pair_of(tmp_path, write_config, kind: str, threshold: float = 0.0, device: s
         {
             "target": target,
             "draft": {**draft, **lookup},
-            "speculation": {"num_draft_tokens": 3, "confidence_threshold": threshold},
+            "speculation": {"num_draft_tokens": 3, "confidence_threshold": threshold, "tree": tree},
             "runtime": {"device": device},
         }
     )
@@ -139,7 +141,18 @@ def count_traffic(pair, prompts, params):
     return traffic, blocks
 
 
-KINDS = ["model", "feature", "eagle3", "medusa", "dflash", "ngram", "model+lookup", "feature+lookup"]
+KINDS = [
+    "model",
+    "feature",
+    "eagle3",
+    "medusa",
+    "dflash",
+    "ngram",
+    "model+lookup",
+    "feature+lookup",
+    "model+tree",
+    "feature+tree",
+]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -1,4 +1,4 @@
-"""What a benchmark runs: the modes (who generates, temperature, gamma), settings, and the prompts."""
+"""What a benchmark runs: the modes (who generates, temperature, gamma or tree), settings, and the prompts."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdec_cli.bench.prompts import Prompt, builtin_suite, load_prompts, select
-from specdec_cli.bench.report import temperature_label
-from specdec_cli.config import Config
+from specdec_cli.bench.report import drafting_label, temperature_label
+from specdec_cli.config import Config, TreeShape
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.errors import SpecdecError
 
@@ -20,16 +20,19 @@ QUICK_LIMIT = 1  # prompts per category of the built-in suite when neither --pro
 
 @dataclass(frozen=True)
 class Mode:
-    """What one run measures: who generates, at which temperature, with how many draft tokens."""
+    """What one run measures: who generates, at which temperature, with how many draft tokens (a
+    chain's, or a tree's depth)."""
 
     temperature: float
     gamma: int  # 0: target alone
     engine: str = SPECDEC
+    tree: TreeShape | None = None  # a draft tree of this shape instead of a chain
 
     @property
     def label(self) -> str:
         who = "" if self.engine == SPECDEC else f"{self.engine} "
-        kind = "target only" if self.gamma == 0 else f"speculative γ={self.gamma}"
+        tree = self.tree.spec if self.tree else None
+        kind = "target only" if self.gamma == 0 else f"speculative {drafting_label(self.gamma, tree)}"
         return f"{who}{kind}, {temperature_label(self.temperature)}"
 
 
@@ -47,25 +50,32 @@ class Plan:
     peer: str | None = None
     peer_drafting: str | None = None  # the peer's speculative engine, chosen once the models are loaded
     batch_sizes: list[int] = field(default_factory=lambda: [1])  # > 1: specdec also decodes prompts together
+    trees: list[TreeShape] = field(default_factory=list)  # draft trees, measured beside the chains
 
     def params(self, temperature: float) -> SamplingParams:
         return SamplingParams(temperature=temperature, top_k=self.top_k, top_p=self.top_p)
 
+    def specdec_modes(self, temperature: float) -> list[Mode]:
+        """The target alone, each chain and each tree at one temperature."""
+        chains = [Mode(temperature, g) for g in [0] + self.gammas]
+        return chains + [Mode(temperature, shape.depth, tree=shape) for shape in self.trees]
+
     def batch_modes(self) -> list[tuple[int, Mode]]:
-        """(batch size, mode) of the batched runs: target-only and each gamma per temperature, and the
-        peer's plain batched generate() (transformers' speculative decoding refuses batches)."""
+        """(batch size, mode) of the batched runs: target-only, each gamma and each tree per temperature,
+        and the peer's plain batched generate() (transformers' speculative decoding refuses batches)."""
         modes = []
         for size in (b for b in self.batch_sizes if b > 1):
             for t in self.temperatures:
-                modes += [(size, Mode(t, g)) for g in [0] + self.gammas]
+                modes += [(size, mode) for mode in self.specdec_modes(t)]
                 modes += [(size, Mode(t, 0, self.peer))] if self.peer else []
         return modes
 
     def modes(self) -> list[Mode]:
-        """Per temperature: the baseline first, then each gamma, then the peer alone and its run of each gamma."""
+        """Per temperature: the baseline first, then each gamma and each tree, then the peer alone and
+        its run of each gamma."""
         modes = []
         for t in self.temperatures:
-            modes += [Mode(t, 0)] + [Mode(t, g) for g in self.gammas]
+            modes += self.specdec_modes(t)
             if self.peer:
                 modes += [Mode(t, 0, self.peer)] + [Mode(t, g, self.peer_drafting) for g in self.gammas]
         return modes
@@ -92,9 +102,12 @@ def make_plan(
     warmup: int,
     peer: str | None,
     batch_sizes: list[int] | None = None,
+    trees: list[TreeShape] | None = None,
 ) -> Plan:
-    """Defaults: the config's gamma; greedy and the config's temperature (1.0 if the config is greedy)."""
+    """Defaults: the config's gamma, and its tree if it has one (a chain and a tree side by side); greedy
+    and the config's temperature (1.0 if the config is greedy)."""
     gammas = gammas or [cfg.speculation.num_draft_tokens]
+    trees = trees or ([cfg.speculation.tree] if cfg.speculation.tree else [])
     temperatures = temperatures or list(dict.fromkeys([0.0, cfg.sampling.temperature or 1.0]))
     if min(gammas) < 1:
         raise SpecdecError(f"--gamma values must be >= 1, got {gammas}")
@@ -120,6 +133,7 @@ def make_plan(
         s.top_p,
         peer,
         batch_sizes=batch_sizes,
+        trees=list(dict.fromkeys(trees)),
     )
 
 

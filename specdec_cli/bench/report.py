@@ -59,27 +59,38 @@ def spread(values: list[float] | tuple[float, float, float], spec: str = ".1f") 
     return f"{median:{spec}}" if low == high else f"{median:{spec}} ({low:{spec}}–{high:{spec}})"
 
 
+def drafting_label(gamma: int, tree: str | None) -> str:
+    """A chain's length or a tree's shape (as --tree spells it)."""
+    return f"tree {tree}" if tree else f"γ={gamma}"
+
+
 def _mode(row: dict) -> str:
-    return f"{temperature_label(row['temperature'])}, γ={row['gamma']}"
+    return f"{temperature_label(row['temperature'])}, {drafting_label(row['gamma'], row.get('tree'))}"
+
+
+def drafting_order(rows: list[dict]) -> list[tuple[int, str | None]]:
+    """The (gamma, tree) of the rows' speculative modes, once each: chains by length, then trees."""
+    modes = {(r["gamma"], r.get("tree")) for r in rows if r["gamma"]}
+    return sorted(modes, key=lambda mode: (mode[1] is not None, mode[0], mode[1] or ""))
 
 
 def category_report(summary: list[dict], draft: str, rule: str) -> Report:
-    """Per category and overall, one row per (category, gamma), greedy and sampled side by side.
-    Medians only; the ranges over repeats are in the overall table. `draft`: what drafted; `rule`: how
-    its sampled drafts were verified."""
+    """Per category and overall, one row per (category, gamma or tree), greedy and sampled side by
+    side. Medians only; the ranges over repeats are in the overall table. `draft`: what drafted;
+    `rule`: how its sampled drafts were verified."""
     temperatures = sorted({r["temperature"] for r in summary})
     header = ["category", "γ"]
     for t in temperatures:
         name = temperature_label(t)
         header += [f"{name} base tok/s", f"{name} spec tok/s", f"{name} speedup", f"{name} acc len", f"{name} acc rate"]
     rows = []
-    by_key = {(r["group"], r["gamma"], r["temperature"]): r for r in summary}
+    by_key = {(r["group"], r["gamma"], r.get("tree"), r["temperature"]): r for r in summary}
     groups = sorted({r["group"] for r in summary} - {OVERALL}) + [OVERALL]
     for group in groups:
-        for gamma in sorted({r["gamma"] for r in summary}):
-            cells = [group, str(gamma)]
+        for gamma, tree in drafting_order(summary):
+            cells = [group, f"tree {tree}" if tree else str(gamma)]
             for t in temperatures:
-                r = by_key.get((group, gamma, t))
+                r = by_key.get((group, gamma, tree, t))
                 cells += (
                     ["n/a"] * 5
                     if r is None
@@ -93,7 +104,8 @@ def category_report(summary: list[dict], draft: str, rule: str) -> Report:
                 )
             rows.append(cells)
     caption = (
-        f"Draft: {draft}. γ = tokens drafted per block (with lookup ahead of a model: the model's). "
+        f"Draft: {draft}. γ = tokens drafted per block (with lookup ahead of a model: the model's); "
+        f"tree D,K,N = a draft tree of depth D, top-k K, N nodes verified per block. "
         f"{SPEEDUP_FORMULA}. acc len = mean accepted length: tokens per target forward, incl. the "
         f"bonus/recovered token (target-only = 1). acc rate = accepted / drafted."
     )
@@ -236,15 +248,15 @@ COMPARED = [
 
 
 def compare_report(a: dict, b: dict, names: tuple[str, str]) -> Report:
-    """Two records side by side: overall rows matched by (temperature, gamma), batch-size rows by
-    (batch size, temperature, gamma) where both records measured batches."""
+    """Two records side by side: overall rows matched by (temperature, gamma or tree), batch-size rows
+    by (batch size, temperature, gamma or tree) where both records measured batches."""
 
     def overall(record: dict) -> dict:
-        return {(r["temperature"], r["gamma"]): r for r in record["summary"] if r["group"] == OVERALL}
+        return {(r["temperature"], r["gamma"], r.get("tree")): r for r in record["summary"] if r["group"] == OVERALL}
 
     def batches(record: dict) -> dict:
         return {
-            (r["batch_size"], r["temperature"], r["gamma"]): r
+            (r["batch_size"], r["temperature"], r["gamma"], r.get("tree")): r
             for r in record.get("batch_summary", [])
             if r["batch_size"] > 1
         }

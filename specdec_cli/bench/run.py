@@ -1,5 +1,5 @@
 """Run every prompt in every mode of a plan: target-only and speculative through specdec's loop, and
-the peers. Every prompt runs, for each temperature, once target-only (gamma 0) and once per gamma,
+the peers. Every prompt runs, for each temperature, once target-only (gamma 0), once per gamma and tree,
 `repeats` times each with the same seed. A multi-turn prompt feeds each mode's own answer back before
 the next turn, and all turns count (as in Spec-Bench): a prompt's numbers are its turns' sums.
 """
@@ -11,15 +11,20 @@ from collections.abc import Callable
 from specdec_cli.bench.measure import BatchGenerate, Measure, TurnGenerator
 from specdec_cli.bench.plan import SPECDEC, Mode, Plan
 from specdec_cli.bench.prompts import Prompt
+from specdec_cli.decoding.engine import SpeculativeDecoder
 from specdec_cli.models.pair import Pair
 
 WARMUP_TOKENS = 32  # enough for one-time costs (allocations, thread pools); not the full length
 
 
+def decoder_of(pair: Pair, mode: Mode, plan: Plan) -> SpeculativeDecoder:
+    """The target alone (gamma 0), a chain of gamma draft tokens, or a draft tree."""
+    chain = None if mode.tree else mode.gamma or None
+    return pair.decoder(plan.params(mode.temperature), mode.gamma > 0, num_draft_tokens=chain, tree=mode.tree)
+
+
 def specdec_generator(pair: Pair, mode: Mode, plan: Plan, max_new_tokens: int) -> TurnGenerator:
-    decoder = pair.decoder(
-        plan.params(mode.temperature), speculative=mode.gamma > 0, num_draft_tokens=mode.gamma or None
-    )
+    decoder = decoder_of(pair, mode, plan)
 
     def generate(prompt_ids: list[int], seed: int) -> tuple[list[int], Measure]:
         r = decoder.generate(prompt_ids, max_new_tokens, seed, ignore_eos=plan.ignore_eos)
@@ -82,6 +87,7 @@ def run_benchmark(
                         "category": prompt.category,
                         "temperature": mode.temperature,
                         "gamma": mode.gamma,
+                        "tree": mode.tree.spec if mode.tree else None,
                         "engine": mode.engine,
                         "repeats": [m.to_dict() for m in measures],
                     }
@@ -97,9 +103,7 @@ def batch_generator(pair: Pair, mode: Mode, plan: Plan, max_new_tokens: int) -> 
         from specdec_cli.bench.peers import hf_batch_generator
 
         return hf_batch_generator(pair, plan.params(mode.temperature), max_new_tokens, plan.ignore_eos)
-    decoder = pair.decoder(
-        plan.params(mode.temperature), speculative=mode.gamma > 0, num_draft_tokens=mode.gamma or None
-    )
+    decoder = decoder_of(pair, mode, plan)
     return lambda prompts, seed: decoder.generate_batch(prompts, max_new_tokens, seed, ignore_eos=plan.ignore_eos)
 
 
@@ -162,6 +166,7 @@ def run_batches(
                         "batch_size": size,
                         "temperature": mode.temperature,
                         "gamma": mode.gamma,
+                        "tree": mode.tree.spec if mode.tree else None,
                         "engine": mode.engine,
                         "prompt_ids": [p.id for p in group],
                         "repeats": [

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 
 from specdec_cli.bench.plan import HF, SPECDEC
-from specdec_cli.bench.report import OVERALL, temperature_label
+from specdec_cli.bench.report import OVERALL, drafting_label, drafting_order, temperature_label
 from specdec_cli.decoding.metrics import (
     StepRecord,
     acceptance_by_position,
@@ -37,11 +37,13 @@ def _mean_tps(runs: list[dict], key: str) -> tuple[float, float, float]:
     return median_and_spread([statistics.fmean(t) for t in _group_tps(runs, key)])
 
 
-def summarize_mode(baseline: list[dict], speculative: list[dict], gamma: int) -> dict:
-    """The numbers of one table cell group: same prompts in both lists, same order.
+def summarize_mode(baseline: list[dict], speculative: list[dict], gamma: int, tree: str | None = None) -> dict:
+    """The numbers of one table cell group: same prompts in both lists, same order. `gamma`: the chain's
+    length, or the depth of `tree` (its shape as --tree spells it); acceptance is then by depth.
 
     Tokens/s is the mean over prompts per repeat; its median and (min, max) over repeats are reported.
-    Speedup is Spec-Bench's mean(spec tok/s) / mean(baseline tok/s), per repeat, then its median."""
+    Speedup is Spec-Bench's mean(spec tok/s) / mean(baseline tok/s), per repeat, then its median.
+    Leviathan's prediction is a chain's: none for a tree."""
     base_tps = _group_tps(baseline, "tokens_per_second")
     spec_tps = _group_tps(speculative, "tokens_per_second")
     speedups = [speedup(b, s) for b, s in zip(base_tps, spec_tps)]
@@ -72,6 +74,7 @@ def summarize_mode(baseline: list[dict], speculative: list[dict], gamma: int) ->
     return {
         "prompts": len(speculative),
         "gamma": gamma,
+        "tree": tree,
         "baseline_tokens_per_second": _mean_tps(baseline, "tokens_per_second"),
         "speculative_tokens_per_second": _mean_tps(speculative, "tokens_per_second"),
         "speedup": median_and_spread(speedups),
@@ -83,7 +86,9 @@ def summarize_mode(baseline: list[dict], speculative: list[dict], gamma: int) ->
         "acceptance_by_position": acceptance_by_position(spec_steps, gamma),
         "draft_time_share": draft_time_share(spec_steps),
         "cost_ratio": c,
-        "predicted_speedup": predicted_speedup(alpha, gamma, c) if alpha is not None and c is not None else None,
+        "predicted_speedup": (
+            predicted_speedup(alpha, gamma, c) if alpha is not None and c is not None and not tree else None
+        ),
         "greedy_identical": greedy_identical(baseline, speculative),
         "baseline_prefill_seconds": _mean_prefill(baseline),
         "speculative_prefill_seconds": _mean_prefill(speculative),
@@ -103,33 +108,35 @@ def _mean_prefill(runs: list[dict]) -> float | None:
     return statistics.fmean(values) if values and None not in values else None
 
 
-def _by_prompt(runs: list[dict], engine: str, temperature: float, gamma: int, group: str = OVERALL) -> dict[str, dict]:
+def _by_prompt(
+    runs: list[dict], engine: str, temperature: float, gamma: int, group: str = OVERALL, tree: str | None = None
+) -> dict[str, dict]:
     return {
         r["prompt_id"]: r
         for r in runs
-        if (r["engine"], r["temperature"], r["gamma"]) == (engine, temperature, gamma)
+        if (r["engine"], r["temperature"], r["gamma"], r.get("tree")) == (engine, temperature, gamma, tree)
         and group in (OVERALL, r["category"])
     }
 
 
 def summarize(runs: list[dict]) -> list[dict]:
-    """One entry per (group, temperature, gamma), group being each category and "overall"; prompts
-    missing a mode (an interrupted run) are left out of that comparison."""
+    """One entry per (group, temperature, gamma or tree), group being each category and "overall";
+    prompts missing a mode (an interrupted run) are left out of that comparison."""
     out = []
     specdec = [r for r in runs if r["engine"] == SPECDEC]
     categories = sorted({r["category"] for r in specdec})
     for temperature in sorted({r["temperature"] for r in specdec}):
-        for gamma in sorted({r["gamma"] for r in specdec} - {0}):
+        for gamma, tree in drafting_order(specdec):
             for group in categories + [OVERALL]:
                 base = _by_prompt(specdec, SPECDEC, temperature, 0, group)
-                spec = _by_prompt(specdec, SPECDEC, temperature, gamma, group)
+                spec = _by_prompt(specdec, SPECDEC, temperature, gamma, group, tree)
                 ids = [i for i in spec if i in base]
                 if ids:
                     out.append(
                         {
                             "group": group,
                             "temperature": temperature,
-                            **summarize_mode([base[i] for i in ids], [spec[i] for i in ids], gamma),
+                            **summarize_mode([base[i] for i in ids], [spec[i] for i in ids], gamma, tree),
                         }
                     )
     return out
@@ -141,7 +148,7 @@ def summarize_peers(runs: list[dict]) -> list[dict]:
     decode), because transformers' generate() does not time them apart."""
     out = []
     key = "end_to_end_tokens_per_second"
-    gammas = sorted({r["gamma"] for r in runs if r["engine"] == SPECDEC} - {0})
+    gammas = sorted({r["gamma"] for r in runs if r["engine"] == SPECDEC and not r.get("tree")} - {0})
     for temperature, gamma, engine in sorted(
         {(r["temperature"], r["gamma"], r["engine"]) for r in runs if r["engine"] != SPECDEC}
     ):
@@ -167,10 +174,10 @@ def summarize_peers(runs: list[dict]) -> list[dict]:
 
 
 def gate_failures(summary: list[dict], min_speedup: float | None, min_accept_length: float | None) -> list[str]:
-    """Overall rows that miss a gate, as readable lines; every (temperature, gamma) must pass."""
+    """Overall rows that miss a gate, as readable lines; every (temperature, gamma or tree) must pass."""
     failures = []
     for row in (r for r in summary if r["group"] == OVERALL):
-        mode = f"{temperature_label(row['temperature'])}, γ={row['gamma']}"
+        mode = f"{temperature_label(row['temperature'])}, {drafting_label(row['gamma'], row.get('tree'))}"
         measured = row["speedup"][0]
         if min_speedup is not None and measured < min_speedup:
             failures.append(f"speedup {measured:.2f} < {min_speedup:g} ({mode})")
@@ -183,12 +190,13 @@ def gate_failures(summary: list[dict], min_speedup: float | None, min_accept_len
 
 
 def _batch_groups(runs: list[dict], batch_runs: list[dict]) -> dict[tuple, list[dict]]:
-    """(batch size, temperature, gamma, engine) -> its runs; batch 1 from the per-prompt runs."""
+    """(batch size, temperature, gamma, engine, tree) -> its runs; batch 1 from the per-prompt runs."""
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
-        groups.setdefault((1, r["temperature"], r["gamma"], r["engine"]), []).append(r)
+        groups.setdefault((1, r["temperature"], r["gamma"], r["engine"], r.get("tree")), []).append(r)
     for r in batch_runs:
-        groups.setdefault((r["batch_size"], r["temperature"], r["gamma"], r.get("engine", SPECDEC)), []).append(r)
+        key = (r["batch_size"], r["temperature"], r["gamma"], r.get("engine", SPECDEC), r.get("tree"))
+        groups.setdefault(key, []).append(r)
     return groups
 
 
@@ -234,14 +242,18 @@ def _greedy_identical(spec: list[dict], alone: list[dict]) -> int | None:
 
 
 def summarize_batches(runs: list[dict], batch_runs: list[dict]) -> list[dict]:
-    """Per (batch size, temperature, gamma): total tokens/s of the target alone and of speculative
-    decoding at that batch size, their ratio, and acceptance; then, per (temperature, gamma), the
-    smallest batch size whose speedup fell below 1 (None: none measured)."""
+    """Per (batch size, temperature, gamma or tree): total tokens/s of the target alone and of
+    speculative decoding at that batch size, their ratio, and acceptance; then, per (temperature,
+    gamma or tree), the smallest batch size whose speedup fell below 1 (None: none measured)."""
     groups = _batch_groups(runs, batch_runs)
     out = []
-    for size, temperature, gamma, _ in sorted(k for k in groups if k[2] > 0 and k[3] == SPECDEC):
-        base, spec = groups.get((size, temperature, 0, SPECDEC)), groups[(size, temperature, gamma, SPECDEC)]
-        peer = groups.get((size, temperature, 0, HF))
+    speculative = [k for k in groups if k[2] > 0 and k[3] == SPECDEC]
+    for size, temperature, gamma, _, tree in sorted(speculative, key=lambda k: (k[:4], k[4] or "")):
+        base, spec = (
+            groups.get((size, temperature, 0, SPECDEC, None)),
+            groups[(size, temperature, gamma, SPECDEC, tree)],
+        )
+        peer = groups.get((size, temperature, 0, HF, None))
         if not base:
             continue
         base_tps, spec_tps = _total_tps(base), _total_tps(spec)
@@ -251,6 +263,7 @@ def summarize_batches(runs: list[dict], batch_runs: list[dict]) -> list[dict]:
                 "batch_size": size,
                 "temperature": temperature,
                 "gamma": gamma,
+                "tree": tree,
                 "baseline_tokens_per_second": median_and_spread(base_tps),
                 "speculative_tokens_per_second": median_and_spread(spec_tps),
                 "speculative_tokens_per_second_per_sequence": median_and_spread([t / size for t in spec_tps]),
@@ -263,7 +276,7 @@ def summarize_batches(runs: list[dict], batch_runs: list[dict]) -> list[dict]:
                 "target_forward_seconds": _forward_seconds(base),
                 "verification_forward_seconds": _forward_seconds(spec),
                 "greedy_identical": (
-                    _greedy_identical(spec, groups.get((1, 0.0, 0, SPECDEC), [])) if temperature == 0 else None
+                    _greedy_identical(spec, groups.get((1, 0.0, 0, SPECDEC, None), [])) if temperature == 0 else None
                 ),
                 # transformers' plain generate() at this batch size, timed whole: set beside specdec's end to end
                 "speculative_end_to_end_tokens_per_second": median_and_spread(_total_tps(spec, end_to_end=True)),
@@ -274,7 +287,8 @@ def summarize_batches(runs: list[dict], batch_runs: list[dict]) -> list[dict]:
         slower = [
             r["batch_size"]
             for r in out
-            if (r["temperature"], r["gamma"]) == (row["temperature"], row["gamma"]) and r["speedup"][0] < 1
+            if (r["temperature"], r["gamma"], r["tree"]) == (row["temperature"], row["gamma"], row["tree"])
+            and r["speedup"][0] < 1
         ]
         row["crossover_batch_size"] = min(slower, default=None)
     return out

@@ -3,7 +3,7 @@ rejected ones, row by row."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
@@ -13,6 +13,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from specdec_cli.decoding.host import to_device
 from specdec_cli.errors import SpecdecError
+
+if TYPE_CHECKING:
+    from specdec_cli.decoding.tree import Region
 
 # layers whose keys and values can be cut back to any earlier length
 ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
@@ -102,6 +105,13 @@ class RaggedLayer(CacheLayerMixin):
         if self.is_initialized:
             self.keys, self.values = self.keys[rows], self.values[rows]
 
+    def move(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy the slots `source` [B, m] to `target` [B, m], row by row."""
+        for store in (self.keys, self.values):
+            heads, dim = store.shape[1], store.shape[3]
+            picked = store.gather(2, source[:, None, :, None].expand(-1, heads, -1, dim))
+            store.scatter_(2, target[:, None, :, None].expand(-1, heads, -1, dim), picked)
+
     def get_seq_length(self) -> int:
         return self.owner.visible
 
@@ -166,21 +176,23 @@ class CachedModel:
         counts: list[int] | None = None,
         logits: str = "all",
         hidden: bool = False,
+        region: Region | None = None,
     ) -> Output:
         """Append input_ids [B, n] (or their input vectors [B, n, width]) to the rows. `counts`: how
         many of a row's n inputs are real (default all); the rest, at the end, are padding, whose
         keys and values go to the never-visible scratch slot. `logits`: at "all" inputs, at each row's
         "last" real input, or "none" (a prefill that reads only states: a full vocabulary at every
-        prompt position is large)."""
+        prompt position is large). `region`: the inputs are the last nodes of a tree
+        (decoding/tree.py), each attending to the context before the tree's root and to its own
+        ancestors, at the root's position + its depth."""
         n = (input_ids if input_ids is not None else inputs_embeds).shape[1]
         counts = counts or [n] * len(self.lengths)
         steps = torch.arange(n, device=self.device)
-        positions = to_device(self.lengths, self.device)[:, None] + steps  # [B, n]
+        slots = to_device(self.lengths, self.device)[:, None] + steps  # [B, n]
+        positions = slots if region is None else region.positions
         ragged = min(counts) < n
         self.cache.write_positions = (
-            positions.masked_fill(steps >= to_device(counts, self.device)[:, None], self.cache.scratch)
-            if ragged
-            else positions
+            slots.masked_fill(steps >= to_device(counts, self.device)[:, None], self.cache.scratch) if ragged else slots
         )
         self.cache.visible = max(length + count for length, count in zip(self.lengths, counts))
         if logits == "none":
@@ -193,7 +205,7 @@ class CachedModel:
             input_ids=input_ids,
             inputs_embeds=inputs_embeds,
             position_ids=positions,
-            attention_mask=self.mask(positions),
+            attention_mask=self.mask(positions, region),
             cache=self.cache,
             use_cache=True,
             output_hidden_states=hidden,
@@ -203,14 +215,20 @@ class CachedModel:
         states = torch.cat([out.hidden_states[i] for i in self.state_layers], dim=-1) if hidden else None
         return Output(self.fit_vocabulary(out.logits.float()), states)
 
-    def mask(self, positions: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+    def mask(self, positions: torch.Tensor, region: Region | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
         """[B, 1, n, visible] True where a query may attend to a key: the row's own keys at or below
-        the query's position; in a sliding-window layer, only the last `window` of them."""
+        the query's position (in a tree: the context and the query's ancestors); in a sliding-window
+        layer, only those of the last `window` positions."""
         keys = torch.arange(self.cache.visible, device=self.device)
-        causal = (keys <= positions[..., None])[:, None]
+        if region is None:
+            allowed, key_positions = keys <= positions[..., None], keys
+        else:
+            allowed, key_positions = region.attention(keys)
+            key_positions = key_positions[:, None]  # [B, 1, K]: per row
+        causal = allowed[:, None]
         if self.window is None:
             return causal
-        windowed = causal & (keys > positions[..., None] - self.window)[:, None]
+        windowed = causal & (key_positions > positions[..., None] - self.window)[:, None]
         if self.layer_types is None:  # a window in every layer (Mistral)
             return windowed
         return {"full_attention": causal, "sliding_attention": windowed}
@@ -227,6 +245,15 @@ class CachedModel:
         """Forget each row's last num_tokens tokens (one count for all rows, or one per row)."""
         counts = num_tokens if isinstance(num_tokens, list) else [num_tokens] * len(self.lengths)
         self.lengths = [length - count for length, count in zip(self.lengths, counts)]
+
+    @torch.inference_mode()
+    def compact(self, start: list[int], path: torch.Tensor, kept: list[int]) -> None:
+        """Keep a tree's accepted path: per row, the slots start + path[:, j] move to start + j, and
+        the row then holds start + kept tokens (kept <= path's width; what lies past is never visible)."""
+        base = to_device(start, self.device)[:, None]
+        for layer in self.cache.layers:
+            layer.move(base + path, base + torch.arange(path.shape[1], device=self.device))
+        self.lengths = [s + k for s, k in zip(start, kept)]
 
     def keep(self, rows: list[int]) -> None:
         """Keep only these rows (the others finished), in this order."""

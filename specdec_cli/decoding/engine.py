@@ -3,19 +3,23 @@
 One block: the drafter proposes g tokens; the target runs one forward over [last token, *drafts]
 (g + 1 positions); the acceptance test keeps a prefix of the drafts and adds one recovered or bonus
 token; both caches are rolled back to the accepted prefix. The target's cache always holds the whole
-context except its last token, which is the first input of the next block.
+context except its last token, which is the first input of the next block. With a tree
+(decoding/tree.py) the drafter proposes a tree of n nodes, the target verifies [last token, *nodes]
+with the tree's mask, the test keeps a root path, and both caches keep that path as a chain.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
 
-from specdec_cli.decoding.cache import CachedModel, right_padded
+from specdec_cli.config import TreeShape
+from specdec_cli.decoding import tree as trees
+from specdec_cli.decoding.cache import CachedModel, Output, right_padded
 from specdec_cli.decoding.host import to_device, to_host
 from specdec_cli.decoding.metrics import (
     StepRecord,
@@ -123,12 +127,18 @@ class SpeculativeDecoder:
         params: SamplingParams,
         num_draft_tokens: int,
         eos_token_ids: set[int],
-        verification: str = "token",  # sampled drafts: "token" (verify_sampled) or "block" (verify_block)
+        tree: TreeShape | None = None,
+        verification: str = "token",  # sampled chains: "token" (verify_sampled) or "block" (verify_block)
     ):
+        """`tree`: draft trees of this shape instead of chains of num_draft_tokens (the drafter must
+        have `propose_tree` and `commit_tree`, as drafters/model.py's)."""
         self.target = target
         self.drafter = drafter
         self.params = params
-        self.gamma = num_draft_tokens if drafter is not None else 0
+        self.tree = tree if drafter is not None else None
+        # the most tokens a block can accept: a chain's length, a tree's depth
+        self.gamma = 0 if drafter is None else tree.depth if tree else num_draft_tokens
+        self.width = tree.width if self.tree else self.gamma  # slots a block writes past the context
         self.eos_token_ids = eos_token_ids
         self.verification = verification
         self.clock = Clock(target.device)
@@ -159,7 +169,7 @@ class SpeculativeDecoder:
         device = self.target.device
         generator = torch.Generator(device=device).manual_seed(seed)
         results = [GenerationResult(prompt_ids=list(p)) for p in prompts]
-        max_tokens = max(map(len, prompts)) + max_new_tokens + self.gamma + 1
+        max_tokens = max(map(len, prompts)) + max_new_tokens + self.width + 1
         clock = self.clock
         # only a drafter that reads the target's hidden states makes the target return them
         wants_states = self.drafter is not None and self.drafter.reads_target_states
@@ -187,21 +197,28 @@ class SpeculativeDecoder:
             remaining = max(max_new_tokens - len(results[row].token_ids) for row in active)
             gamma = min(self.gamma, remaining - 1)
             block_start = clock.mark()
-            drafts, draft_probs = (
-                self.drafter.propose(gamma, self.params, generator) if gamma else (last_token[:, :0], None)
-            )
-            width = drafts.shape[1]
-            draft_end = clock.mark()
-            verified = self.target.forward(torch.cat([last_token, drafts.clamp_min(0)], dim=1), hidden=wants_states)
-            logits = verified.logits  # [B, g + 1, V]
-            if self.params.greedy:
-                num_accepted, next_token = verify_greedy(drafts, logits)
+            if self.tree is not None and gamma:
+                tree_start = list(self.target.lengths)  # the slot of each row's root
+                drafts, num_accepted, next_token, path, verified, draft_end = self._tree_block(
+                    last_token, tree_start, gamma, generator, wants_states
+                )
             else:
-                target_probs = warp(logits, self.params)
-                if draft_probs is None:  # target-only: nothing to test, sample from p
-                    draft_probs = target_probs[:, :0]
-                verify = verify_block if self.verification == "block" else verify_sampled
-                num_accepted, next_token = verify(drafts, draft_probs, target_probs, generator)
+                path = None
+                drafts, draft_probs = (
+                    self.drafter.propose(gamma, self.params, generator) if gamma else (last_token[:, :0], None)
+                )
+                draft_end = clock.mark()
+                verified = self.target.forward(torch.cat([last_token, drafts.clamp_min(0)], dim=1), hidden=wants_states)
+                logits = verified.logits  # [B, g + 1, V]
+                if self.params.greedy:
+                    num_accepted, next_token = verify_greedy(drafts, logits)
+                else:
+                    target_probs = warp(logits, self.params)
+                    if draft_probs is None:  # target-only: nothing to test, sample from p
+                        draft_probs = target_probs[:, :0]
+                    verify = verify_block if self.verification == "block" else verify_sampled
+                    num_accepted, next_token = verify(drafts, draft_probs, target_probs, generator)
+            width = drafts.shape[1]
             # the one host sync of the block: accepted counts, next tokens and the draft ids together
             host = to_host(torch.cat([num_accepted, next_token, drafts.flatten()]))
             batch = len(active)
@@ -210,9 +227,16 @@ class SpeculativeDecoder:
             marks.append(BlockMarks(block_start, draft_end, clock.mark()))
             block_rows.append(batch)
 
-            self.target.rollback([width - a for a in accepted])
-            if self.drafter is not None and gamma:
-                self.drafter.commit(draft_ids, accepted, tokens, verified.hidden if wants_states else None)
+            if path is not None:
+                self.target.compact(tree_start, path, [a + 1 for a in accepted])
+                states = verified.hidden
+                if wants_states:  # the target's states along the path, as a chain's block would have them
+                    states = states.gather(1, path[..., None].expand(-1, -1, states.shape[-1]))
+                self.drafter.commit_tree(path, draft_ids, accepted, tokens, states)
+            else:
+                self.target.rollback([width - a for a in accepted])
+                if self.drafter is not None and gamma:
+                    self.drafter.commit(draft_ids, accepted, tokens, verified.hidden if wants_states else None)
             staying = []
             for i, row in enumerate(active):
                 emitted, stopped = self._emit(
@@ -249,6 +273,24 @@ class SpeculativeDecoder:
                 for b, d, a, e in row_blocks[row]
             ]
         return results
+
+    def _tree_block(
+        self, last_token: torch.Tensor, start: list[int], depth: int, generator: torch.Generator, wants_states: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Output, object]:
+        """Draft a tree of at most `depth` (near the token limit a shallower one), verify it in one
+        target forward with its root at `start`. Returns the accepted path's tokens [B, depth] (valid
+        up to num_accepted), num_accepted [B], next_token [B], the path's slots [B, depth + 1], the
+        target's output, and the clock mark after drafting."""
+        tree = self.drafter.propose_tree(replace(self.tree, depth=depth), self.params, generator)
+        draft_end = self.clock.mark()
+        region = trees.target_region(tree, start)
+        verified = self.target.forward(torch.cat([last_token, tree.tokens], dim=1), region=region, hidden=wants_states)
+        if self.params.greedy:
+            num_accepted, next_token, path = trees.verify_greedy(tree, verified.logits)
+        else:
+            num_accepted, next_token, path = trees.verify_sampled(tree, verified.logits, self.params, generator)
+        path_tokens = tree.tokens.gather(1, (path[:, 1:] - 1).clamp_min(0))
+        return path_tokens, num_accepted, next_token, path, verified, draft_end
 
     def _emit(
         self, result: GenerationResult, new_tokens: list[int], ignore_eos: bool, max_new_tokens: int

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 class StepRecord:
     """One target forward (one speculative block) of the decode loop."""
 
-    drafted: int  # draft tokens proposed in this block; 0 for target-only decoding
+    drafted: int  # draft tokens proposed in this block (a tree: its depth); 0 for target-only decoding
     accepted: int  # drafted tokens the verifier accepted, before EOS/length truncation
     emitted: int  # tokens appended to the output: accepted + 1, fewer if EOS/max-new-tokens cut it
     draft_seconds: float

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import torch
 
+from specdec_cli.config import TreeShape
 from specdec_cli.decoding.cache import CachedModel, Output, right_padded, right_padded_states
 from specdec_cli.decoding.host import to_device
 from specdec_cli.decoding.params import SamplingParams
+from specdec_cli.decoding.tree import DraftTree, TreeGrowth, draft_log_probs
 from specdec_cli.drafters.base import NOT_DRAFTED, Drafts, Rows, States
 from specdec_cli.drafters.model import confident, draft_token, stack_drafts
 from specdec_cli.models.feature_draft import feature_inputs, read_target, vocabulary_subset
@@ -19,7 +21,7 @@ class FeatureDrafter:
     the first and `pending` (input j is the target's state at token j beside token j + 1); `pending`
     has the tokens whose states the target gave it but it has not read. Its drafts were computed from
     its own states, so `commit` rolls them all back and reads the accepted ones again beside the
-    target's states."""
+    target's states; so does `commit_tree` with a tree's nodes (each read beside its parent's state)."""
 
     reads_target_states = True
 
@@ -29,6 +31,7 @@ class FeatureDrafter:
         self.subset = vocabulary_subset(model.model)  # sampling draws over it alone
         self.pending: list[list[int]] = []  # per row: context tokens not yet in the draft's cache ...
         self.pending_states: list[torch.Tensor] = []  # ... and the states beside them [n, H]
+        self.root: list[int] = []  # per row, the slot of the current tree's root (its last context input)
 
     def start(self, prompts: Rows, max_tokens: int, target_states: States) -> None:
         self.model.reset(max_tokens, len(prompts))
@@ -81,8 +84,54 @@ class FeatureDrafter:
         # the drafted positions were computed from the draft's own states: redo them (and the
         # accepted ones) from the target's
         self.model.rollback(max(len(draft_ids[0]) - 1, 0))  # (a block of no drafts fed none)
+        self.read_next(draft_ids, num_accepted, next_tokens, target_states)
+
+    def read_next(self, draft_ids: Rows, num_accepted: list[int], next_tokens: list[int], target_states: States):
+        """The block's accepted drafts and next token are read next time, beside the target's states."""
         self.pending = [ids[:accepted] + [token] for ids, accepted, token in zip(draft_ids, num_accepted, next_tokens)]
         self.pending_states = [target_states[row, : accepted + 1] for row, accepted in enumerate(num_accepted)]
+
+    def propose_tree(self, shape: TreeShape, params: SamplingParams, generator: torch.Generator | None) -> DraftTree:
+        """EAGLE-2's tree (decoding/tree.py): the root's children from the context's last input, then
+        one forward per depth over the frontier, each node beside its parent's state, with the tree's
+        mask after the root. A row without a state yet drafts placeholders."""
+        rows_without_state = [not p for p in self.pending]  # decided on the host: no device sync
+        if all(rows_without_state):
+            self.root = [length - 1 for length in self.model.lengths]
+            none = torch.zeros(len(self.pending), 1, dtype=torch.long, device=self.model.device)
+            return DraftTree(none, none - 1, shape.depth)
+        out = self._forward(self.pending, self.pending_states, "last")
+        self.root = [length - 1 for length in self.model.lengths]
+        last = to_device([max(len(p) - 1, 0) for p in self.pending], self.model.device)  # each row's last input
+        states = out.hidden[torch.arange(len(last), device=last.device), last][:, None]  # [B, 1, H] at the root
+        growth = TreeGrowth(shape, len(self.pending), self.model.device)
+        growth.grow(draft_log_probs(out.logits, params, self.subset))
+        for _ in range(shape.depth - 1):
+            # each frontier node beside its parent's state; the fed slots' states, in order
+            inputs = feature_inputs(
+                self.model.model,
+                growth.frontier_tokens,
+                states.gather(1, growth.frontier_parents[..., None].expand(-1, -1, states.shape[-1])),
+            )
+            out = self.model.forward(inputs_embeds=inputs, region=growth.region(self.root), hidden=True)
+            states = torch.cat([states, out.hidden], dim=1)
+            growth.grow(draft_log_probs(out.logits, params, self.subset))
+        tree, _ = growth.select()
+        stateless = to_device(rows_without_state, self.model.device, torch.bool)[:, None]
+        return DraftTree(tree.tokens.masked_fill(stateless, 0), tree.parents.masked_fill(stateless, -1), tree.depth)
+
+    def commit_tree(
+        self,
+        path: torch.Tensor,
+        draft_ids: Rows,
+        num_accepted: list[int],
+        next_tokens: list[int],
+        target_states: States,
+    ) -> None:
+        """As `commit`: the tree's nodes, fed beside the draft's own states, go; the accepted path
+        is read next time beside the target's states (target_states [B, depth + 1, H] along the path)."""
+        self.model.rollback([length - root - 1 for length, root in zip(self.model.lengths, self.root)])
+        self.read_next(draft_ids, num_accepted, next_tokens, target_states)
 
     def follow(self, tokens: list[list[int]], target_states: torch.Tensor) -> None:
         """Lookup's block and the target's states there are read with the next block's first step."""

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from specdec_cli.config import TreeShape
 from specdec_cli.decoding.cache import CachedModel, right_padded
 from specdec_cli.decoding.host import to_host
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.decoding.sampling import sample, warp
+from specdec_cli.decoding.tree import DraftTree, TreeGrowth, draft_log_probs
 from specdec_cli.drafters.base import Drafts, Rows, States
 
 
@@ -60,6 +62,8 @@ class ModelDrafter:
         self.model = model
         self.confidence_threshold = confidence_threshold  # see config.Speculation
         self.pending: list[list[int]] = []
+        self.root: list[int] = []  # per row, the slot of the current tree's root (the last context token)
+        self.fed: torch.Tensor | None = None  # [B, n + 1] per tree slot, its slot after the root (-1: not fed)
 
     def start(self, prompts: Rows, max_tokens: int, target_states: States) -> None:
         self.model.reset(max_tokens, len(prompts))
@@ -91,6 +95,39 @@ class ModelDrafter:
         self.pending = [
             ids[-1:] + [token] if accepted == gamma else [token]
             for ids, accepted, token in zip(draft_ids, num_accepted, next_tokens)
+        ]
+
+    def propose_tree(self, shape: TreeShape, params: SamplingParams, generator: torch.Generator | None) -> DraftTree:
+        """EAGLE-2's tree (decoding/tree.py): the root's children from the context's last logits, then
+        one forward per depth over the frontier, with the tree's mask, after the root in the cache."""
+        next_input, counts = right_padded(self.pending, self.model.device)
+        logits = self.model.forward(next_input, counts=counts, logits="last").logits  # [B, 1, V]
+        self.root = [length - 1 for length in self.model.lengths]
+        growth = TreeGrowth(shape, len(self.pending), self.model.device)
+        growth.grow(draft_log_probs(logits, params))
+        for _ in range(shape.depth - 1):
+            logits = self.model.forward(growth.frontier_tokens, region=growth.region(self.root)).logits
+            growth.grow(draft_log_probs(logits, params))
+        tree, self.fed = growth.select()
+        self.pending = [[] for _ in self.pending]  # commit_tree() settles what the next block reads
+        return tree
+
+    def commit_tree(
+        self,
+        path: torch.Tensor,
+        draft_ids: Rows,
+        num_accepted: list[int],
+        next_tokens: list[int],
+        target_states: States,
+    ) -> None:
+        """The block's outcome per row: path [B, depth + 1] the accepted path's tree slots (root
+        first), draft_ids its tokens, and the rest as `commit`. The path's nodes were fed up to the
+        one before the last accepted (every node with an accepted child was a frontier): those stay,
+        moved after the root; the last accepted node and the next token are read next block."""
+        fed = self.fed.gather(1, path[:, :-1]).clamp_min(0)  # [B, depth] (-1: not fed, then past what is kept)
+        self.model.compact(self.root, fed, [max(accepted, 1) for accepted in num_accepted])
+        self.pending = [
+            ids[accepted - 1 : accepted] + [token] for ids, accepted, token in zip(draft_ids, num_accepted, next_tokens)
         ]
 
     def follow(self, tokens: list[list[int]], target_states: torch.Tensor | None) -> None:

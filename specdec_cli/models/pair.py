@@ -11,7 +11,7 @@ import transformers
 from transformers import PreTrainedTokenizerBase
 
 import specdec_cli
-from specdec_cli.config import Config
+from specdec_cli.config import Config, TreeShape
 from specdec_cli.decoding.cache import CachedModel
 from specdec_cli.decoding.engine import SpeculativeDecoder
 from specdec_cli.decoding.params import SamplingParams
@@ -70,8 +70,18 @@ class Pair:
         return eos_token_ids(self.target.model, self.tokenizer)
 
     def decoder(
-        self, params: SamplingParams, speculative: bool = True, num_draft_tokens: int | None = None
+        self,
+        params: SamplingParams,
+        speculative: bool = True,
+        num_draft_tokens: int | None = None,
+        tree: TreeShape | None = None,
     ) -> SpeculativeDecoder:
+        """A chain of `num_draft_tokens`, a `tree` of that shape, or, given neither, the config's drafting."""
+        if tree is None and num_draft_tokens is None:
+            tree = self.config.speculation.tree
+        if tree is not None and speculative:
+            self.check_tree()
+            return SpeculativeDecoder(self.target, self.drafter, params, tree.depth, self.eos_token_ids, tree)
         gamma = self.config.speculation.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
         drafter = self.drafter if speculative else None
         if speculative and self.lookup is not None:
@@ -82,7 +92,18 @@ class Pair:
                 drafter = LookupFirstDrafter(self.lookup, drafter, lookup_tokens, gamma)
                 gamma = max(gamma, lookup_tokens)
         verification = self.config.speculation.verification
-        return SpeculativeDecoder(self.target, drafter, params, gamma, self.eos_token_ids, verification)
+        return SpeculativeDecoder(self.target, drafter, params, gamma, self.eos_token_ids, verification=verification)
+
+    def check_tree(self) -> None:
+        """Only drafters that draft token by token with a tree of their own can draft trees."""
+        if self.lookup is not None:
+            raise SpecdecError("prompt lookup (draft.lookup) has no draft tree yet: draft trees without it")
+        if not isinstance(self.drafter, (ModelDrafter, FeatureDrafter)):
+            kind = self.draft_description or "prompt lookup (ngram)"
+            raise SpecdecError(
+                f"this draft ({kind}) has no draft tree yet; trees: a draft model (a causal LM), a feature "
+                "or EAGLE draft"
+            )
 
     def encode(self, prompt: str, raw: bool = False, history: list[dict] | None = None) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, raw, history)

@@ -1,0 +1,270 @@
+"""Draft trees: drafting one (EAGLE-2's dynamic tree), its attention mask, and its verification.
+
+A block's tree has a root, the block's first input (the last token of the context), and n drafted
+nodes. Slots number them as the target reads them: slot 0 is the root, slot i + 1 node i. Every row
+of a batch has its own tree of n nodes. Nodes are ordered so that a parent comes before its
+children and siblings come in order of draft probability, most probable first.
+
+In a cache, a tree occupies the slots after the root as a `Region`: every node attends to the
+context and to its own ancestors (itself included) only, at position root position + depth. After
+verification the accepted path is moved to the slots right after the root (`CachedModel.compact`),
+where a chain would have put it; slots past the path are never visible again.
+
+Verification walks from the root. Greedy: go to the child whose token is the target's argmax, while
+there is one; emit the target's argmax where the walk stops. Sampled: `try_children` below.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from specdec_cli.config import TreeShape
+from specdec_cli.decoding.host import to_device
+from specdec_cli.decoding.params import SamplingParams
+from specdec_cli.decoding.sampling import residual, sample, warp
+
+
+class DraftTree(NamedTuple):
+    tokens: torch.Tensor  # [B, n] node tokens
+    # [B, n] each node's parent slot: 0 the root, i + 1 node i (< its own slot); -1 a placeholder that
+    # is no node of the tree (a row that drafted nothing: the walk emits the target's token at the root)
+    parents: torch.Tensor
+    depth: int  # the depth the tree was drafted to: no path is longer
+
+    @property
+    def slot_parents(self) -> torch.Tensor:
+        """[B, n + 1] the parent slot of every slot; the root's is -1."""
+        return torch.cat([torch.full_like(self.parents[:, :1], -1), self.parents], dim=1)
+
+
+def ancestry(parents: torch.Tensor, depth: int) -> torch.Tensor:
+    """[B, m, m] True where slot j is slot i's ancestor or i itself, from parents [B, m] (-1: none).
+    Paths of length <= depth: squaring the one-step relation doubles the length it reaches."""
+    slots = torch.arange(parents.shape[1], device=parents.device)
+    reach = (parents[..., None] == slots) | (slots[:, None] == slots)  # a parent (none for -1), or itself
+    for _ in range(math.ceil(math.log2(max(depth, 1)))):
+        reach = (reach.float() @ reach.float()) > 0
+    return reach
+
+
+class Region(NamedTuple):
+    """A tree in a cache: per row, the slots from `start` (the root's) on. The cache's next inputs
+    are the region's last n slots."""
+
+    start: list[int]  # per row, the root's slot
+    depths: torch.Tensor  # [B, T] every region slot's depth (the root's is 0)
+    visible: torch.Tensor  # [B, n, T] the region slots each input attends to: its ancestors and itself
+
+    def attention(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For cache slots `keys` [K]: which each input may attend to [B, n, K] (the row's context
+        before the root, and its ancestors in the region), and every slot's position [B, K]."""
+        start = to_device(self.start, keys.device)[:, None]  # [B, 1]
+        offset = keys - start  # [B, K]: slot within the region
+        inside = (offset >= 0) & (offset < self.depths.shape[1])
+        at = offset.clamp(0, self.depths.shape[1] - 1)
+        ancestors = self.visible.gather(2, at[:, None].expand(-1, self.visible.shape[1], -1))
+        allowed = (offset < 0)[:, None] | (inside[:, None] & ancestors)
+        positions = torch.where(inside, start + self.depths.gather(1, at), keys)
+        return allowed, positions
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[B, n] the inputs' positions: the root's plus their depth."""
+        n = self.visible.shape[1]
+        return to_device(self.start, self.depths.device)[:, None] + self.depths[:, -n:]
+
+
+def target_region(tree: DraftTree, start: list[int]) -> Region:
+    """The region of [root, nodes] fed to the target in one forward after `start` (the root's slot)."""
+    visible = ancestry(tree.slot_parents, tree.depth)
+    return Region(start, visible.sum(-1) - 1, visible)
+
+
+class TreeGrowth:
+    """EAGLE-2's dynamic tree, drafted depth by depth. `grow` takes the draft's log probabilities at
+    the frontier (first the root alone) and adds each frontier node's top_k children as candidates,
+    scored by path log probability (the sum along the path); the next frontier is the top_k new
+    candidates. The draft feeds each frontier but the last (`frontier_tokens`, `region`) in its own
+    cache after the root: its fed slots are 0 the root, then top_k per depth. `select` keeps the
+    max_nodes best candidates: a path's score falls along it, so they include every kept node's
+    parent (ties keep the shallower first)."""
+
+    def __init__(self, shape: TreeShape, batch: int, device: torch.device):
+        self.shape = shape
+        self.device = device
+        self.tokens: list[torch.Tensor] = []  # per depth [B, c]
+        self.scores: list[torch.Tensor] = []  # per depth [B, c]: path log probability
+        self.parents: list[torch.Tensor] = []  # per depth [B, c]: parent candidate, counted from 1 (0: root)
+        self.count = 0  # candidates so far
+        self.frontier = torch.zeros(batch, 1, dtype=torch.long, device=device)  # candidates, from 1 (0: root)
+        self.frontier_scores = torch.zeros(batch, 1, device=device)
+        # the draft's cache: per fed slot, its ancestors among the fed slots (itself included)
+        fed = 1 + (shape.depth - 1) * shape.top_k
+        self.fed_visible = torch.eye(fed, dtype=torch.bool, device=device).expand(batch, fed, fed).clone()
+        self.fed_depths = torch.zeros(batch, fed, dtype=torch.long, device=device)
+        self.fed_of = [torch.zeros(batch, 1, dtype=torch.long, device=device)]  # per candidate its fed slot, -1
+        self.fed = 1  # fed slots so far: the root
+
+    def grow(self, log_probs: torch.Tensor) -> None:
+        """log_probs [B, f, V]: the draft's next-token log probabilities at the f frontier nodes."""
+        top = log_probs.topk(self.shape.top_k, dim=-1)  # [B, f, k], most probable first
+        batch = log_probs.shape[0]
+        scores = (self.frontier_scores[..., None] + top.values).reshape(batch, -1)
+        self.tokens.append(top.indices.reshape(batch, -1))
+        self.scores.append(scores)
+        self.parents.append(self.frontier[..., None].expand_as(top.indices).reshape(batch, -1))
+        self.fed_of.append(torch.full_like(scores, -1, dtype=torch.long))
+        best = scores.topk(min(self.shape.top_k, scores.shape[1]), dim=-1, sorted=True)
+        self.frontier = self.count + 1 + best.indices
+        self.frontier_scores = best.values
+        self.count += scores.shape[1]
+
+    @property
+    def local_frontier(self) -> torch.Tensor:
+        """[B, k] the frontier as indices into the last depth's candidates."""
+        return self.frontier - (self.count + 1 - self.tokens[-1].shape[1])
+
+    @property
+    def frontier_tokens(self) -> torch.Tensor:
+        """[B, k] the tokens of the frontier, to be fed to the draft."""
+        return self.tokens[-1].gather(1, self.local_frontier)
+
+    @property
+    def frontier_parents(self) -> torch.Tensor:
+        """[B, k] the fed slot of each frontier node's parent (0: the root)."""
+        fed_of = torch.cat(self.fed_of, dim=1)  # [B, count + 1]
+        return fed_of.gather(1, torch.cat(self.parents, dim=1).gather(1, self.frontier - 1))
+
+    def region(self, root: list[int]) -> Region:
+        """Where the frontier goes in the draft's cache (after the fed slots, the root's at `root`);
+        records the frontier as fed."""
+        k, start = self.shape.top_k, self.fed
+        parent_fed = self.frontier_parents
+        rows = self.fed_visible.gather(1, parent_fed[..., None].expand(-1, -1, self.fed_visible.shape[2]))
+        self.fed_visible[:, start : start + k] |= rows
+        self.fed_depths[:, start : start + k].fill_(len(self.tokens))
+        slots = start + torch.arange(k, device=self.device)
+        self.fed_of[-1].scatter_(1, self.local_frontier, slots.expand_as(self.frontier))
+        self.fed += k
+        return Region(root, self.fed_depths[:, : self.fed], self.fed_visible[:, start : self.fed, : self.fed])
+
+    def select(self) -> tuple[DraftTree, torch.Tensor]:
+        """The tree of the max_nodes best candidates, and each of its slots' fed slot in the draft's
+        cache [B, n + 1] (-1: not fed; the root's is 0)."""
+        scores = torch.cat(self.scores, dim=1)  # [B, C], shallower candidates first
+        n = min(self.shape.max_nodes, scores.shape[1])
+        chosen = scores.sort(dim=1, descending=True, stable=True).indices[:, :n].sort(dim=1).values  # [B, n]
+        slot_of = torch.zeros(scores.shape[0], scores.shape[1] + 1, dtype=torch.long, device=self.device)
+        slot_of.scatter_(1, chosen + 1, torch.arange(1, n + 1, device=self.device).expand_as(chosen))
+        parents = slot_of.gather(1, torch.cat(self.parents, dim=1).gather(1, chosen))
+        fed_of = torch.cat(self.fed_of, dim=1)
+        fed = torch.cat([fed_of[:, :1], fed_of.gather(1, chosen + 1)], dim=1)
+        return DraftTree(torch.cat(self.tokens, dim=1).gather(1, chosen), parents, self.shape.depth), fed
+
+
+def draft_log_probs(logits: torch.Tensor, params: SamplingParams, subset: torch.Tensor | None = None) -> torch.Tensor:
+    """What a tree is grown by: log q, the warped draft distribution, when sampling; the plain
+    softmax's when greedy (nothing is sampled from the draft either way). `subset`: the token ids a
+    draft's head scores (every other logit is -inf): warped over them alone, the same q, cheaper."""
+    if params.greedy:
+        return logits.float().log_softmax(dim=-1)
+    if subset is None:
+        return warp(logits, params).log()
+    log_q = torch.full_like(logits, float("-inf"), dtype=torch.float32)
+    return log_q.index_copy_(-1, subset, warp(logits[..., subset], params).log())
+
+
+# ---------------------------------------------------------------- verification
+
+
+def walk(tree: DraftTree, test) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From the root, go to the first child of the current node that `test` passes, as long as one
+    does. test(node [B], children [B, n] bool) -> (passed [B, n] bool, outcome at the node: [B, ...]).
+    Returns (accepted nodes [B], path [B, depth + 1] slots from the root (the last one repeated past
+    the end), the outcome at the node where each row stopped)."""
+    batch, n = tree.tokens.shape
+    node = torch.zeros(batch, dtype=torch.long, device=tree.tokens.device)
+    walking = torch.ones(batch, dtype=torch.bool, device=node.device)
+    path, outcome = [node], None
+    order = torch.arange(1, n + 1, device=node.device)
+    for _ in range(tree.depth + 1):  # the last step finds no children: the bonus token's node
+        children = tree.parents == node[:, None]
+        passed, here = test(node, children)
+        passed = passed & children & walking[:, None]
+        moves = passed.any(dim=1)
+        stops = walking & ~moves
+        shape = (-1,) + (1,) * (here.dim() - 1)
+        outcome = here if outcome is None else torch.where(stops.view(shape), here, outcome)
+        first = torch.where(passed, order, n + 1).min(dim=1).values  # the first child that passed
+        node = torch.where(moves, first, node)
+        walking = moves
+        path.append(node)
+    path = torch.stack(path[:-1], dim=1)
+    return (path[:, 1:] != path[:, :-1]).sum(dim=1), path, outcome
+
+
+def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The longest root path whose every token is the target's argmax after its parent, then the
+    target's argmax. target_logits [B, n + 1, V] -> (num_accepted [B], next_token [B], path [B, depth + 1])."""
+    target_tokens = target_logits.argmax(dim=-1)  # [B, n + 1]
+
+    def test(node, children):
+        best = target_tokens.gather(1, node[:, None])  # [B, 1]
+        return tree.tokens == best, best[:, 0]
+
+    num_accepted, path, next_token = walk(tree, test)
+    return num_accepted, next_token, path
+
+
+def try_children(
+    target_probs: torch.Tensor, tokens: torch.Tensor, children: torch.Tensor, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The test at one node per row. target_probs [B, V]: p, the warped target distribution after the
+    node's path; tokens [B, n] the tree's; children [B, n] which nodes are this node's children, in
+    order of draft probability. Returns (passed [B, n], leftover [B, V]): the walk takes the first
+    child that passed; when none did, the token is drawn from the leftover p'.
+
+    The rule (multi-candidate rejection sampling with deterministic candidates): p' starts as p. Try
+    the children in order: accept child x with probability p'(x); on rejection set p'(x) = 0 and
+    renormalise. If every child is rejected, draw from p' (p without the children, renormalised).
+    The children are a top-k, not draws from q: q is one-hot on each, so the general test
+    min(1, p'(x) / q(x)) is p'(x), and norm(max(0, p' - q)) zeroes x and renormalises.
+
+    Why the output is distributed as p: for children x_1, x_2, ... with p(x_1) = a_1, ..., the first
+    is emitted with probability a_1. The second is tried only after a rejection (probability 1 - a_1)
+    and accepted with p'(x_2) = a_2 / (1 - a_1): in all, (1 - a_1) a_2 / (1 - a_1) = a_2. By induction,
+    x_j is reached with probability 1 - a_1 - ... - a_(j-1), the mass p' has left, and accepted with
+    a_j over that mass: a_j in all. After every child was rejected (probability 1 - sum a) a token y
+    that is no child is drawn from p' with probability p(y) / (1 - sum a): p(y) in all. So every token
+    comes out with probability p(x), exactly what drawing from p gives; and since each accepted token
+    is distributed as the target's after its own path, the walk's tokens are the target's, one after
+    another. Testing a later child against p (not p') under-samples it, and so does forgetting to
+    renormalise p': tests/test_tree.py shows both fail the checks.
+
+    Every row draws n uniforms per node whether or not it has n children (no host sync)."""
+    mass = target_probs.gather(1, tokens).double() * children  # [B, n] p(x) of the children, 0 elsewhere
+    tried = mass.cumsum(dim=1) - mass  # mass of the children tried before each: gone from p'
+    kept = mass / (1 - tried).clamp_min(torch.finfo(mass.dtype).tiny)  # p'(x) at x's turn
+    u = torch.rand(mass.shape, dtype=torch.float64, device=mass.device, generator=generator)
+    # a child of p(x) = 0 never passes (u >= 0)
+    passed = u < kept
+    drafted = torch.zeros_like(target_probs).scatter_add_(1, tokens, children.to(target_probs.dtype))
+    return passed, residual(target_probs, drafted)  # p with the children zeroed, renormalised
+
+
+def verify_sampled(
+    tree: DraftTree, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The walk with `try_children` at every node (warping only the nodes it visits), then a token
+    drawn from the leftover where it stopped (p itself at a leaf: the bonus token).
+    target_logits [B, n + 1, V] -> (num_accepted [B], next_token [B], path [B, depth + 1])."""
+    rows = torch.arange(len(target_logits), device=target_logits.device)
+
+    def test(node, children):
+        return try_children(warp(target_logits[rows, node], params), tree.tokens, children, generator)
+
+    num_accepted, path, leftover = walk(tree, test)
+    return num_accepted, sample(leftover, generator), path

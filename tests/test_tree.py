@@ -1,0 +1,600 @@
+"""Draft trees (decoding/tree.py): their structure and mask, the sampled rule against p on a small
+vocabulary, the engine's trees against the target alone (greedy) and under verify-distribution's
+checks (sampled), and named broken variants that those checks must catch. Each broken variant is a
+realistic bug injected by monkeypatching the function the engine looks up."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import cached
+from scipy import stats
+from typer.testing import CliRunner
+
+from specdec_cli import verify
+from specdec_cli.cli import app
+from specdec_cli.config import TinyModel, TreeShape, load_config
+from specdec_cli.decoding import tree
+from specdec_cli.decoding.cache import CachedModel
+from specdec_cli.decoding.engine import SpeculativeDecoder
+from specdec_cli.decoding.params import SamplingParams
+from specdec_cli.decoding.sampling import residual, sample
+from specdec_cli.drafters.feature import FeatureDrafter
+from specdec_cli.drafters.model import ModelDrafter
+from specdec_cli.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED
+from specdec_cli.models.checkpoints import build_tiny
+from specdec_cli.models.feature_draft import feature_inputs, init_draft, target_layers
+from specdec_cli.models.pair import load_pair
+
+SIGNIFICANCE = 0.01
+PROMPTS = [
+    "Hi",
+    "The quick brown fox jumps over the lazy dog. The quick brown",
+    "abc abc abc abc",
+    "Once upon a time, in a land far away, there lived",
+]
+SHAPES = [TreeShape(4, 3, 16), TreeShape(3, 2, 6), TreeShape(5, 1, 5), TreeShape(2, 4, 20), TreeShape(1, 1, 1)]
+ONE_THREAD = {"runtime": {"threads": 1}}
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)  # load_pair set it process-wide
+
+
+# ---------------------------------------------------------------- structure
+
+
+def reference_tree(log_probs, shape: TreeShape) -> tuple[dict, list]:
+    """EAGLE-2's expansion by enumeration: log_probs(path) -> the draft's next-token log probabilities
+    after the path [V]. Returns {path: score} of the kept nodes, and the fed frontiers (best first)."""
+    candidates, frontier, fed = {}, [()], []
+    for depth in range(shape.depth):
+        new = {}
+        for path in frontier:
+            row = log_probs(path)
+            for token in row.topk(shape.top_k).indices.tolist():
+                new[path + (token,)] = candidates.get(path, 0.0) + float(row[token])
+        candidates.update(new)
+        frontier = sorted(new, key=new.get, reverse=True)[: shape.top_k]
+        if depth < shape.depth - 1:
+            fed.append(frontier)
+    kept = sorted(candidates, key=candidates.get, reverse=True)[: shape.max_nodes]
+    return {path: candidates[path] for path in kept}, fed
+
+
+def tree_paths(drafted: tree.DraftTree, row: int = 0) -> list[tuple]:
+    """Per slot, the tokens from the root to it; parents must come first."""
+    paths = [()]
+    for token, parent in zip(drafted.tokens[row].tolist(), drafted.parents[row].tolist()):
+        assert parent < len(paths)
+        paths.append(paths[parent] + (token,))
+    return paths
+
+
+def grown_tree(table: torch.Tensor, shape: TreeShape) -> tuple[tree.DraftTree, torch.Tensor]:
+    growth = tree.TreeGrowth(shape, 1, torch.device("cpu"))
+    growth.grow(table[0, -1][None, None])
+    for depth in range(1, shape.depth):
+        growth.region([0])
+        growth.grow(table[depth][growth.frontier_tokens[0]][None])
+    return growth.select()
+
+
+@pytest.mark.parametrize("shape", [TreeShape(3, 2, 7), TreeShape(4, 3, 16), TreeShape(2, 4, 20), TreeShape(3, 1, 3)])
+def test_growth_is_eagle2s_dynamic_tree(shape):
+    vocab = 12
+    table = (2 * torch.randn(shape.depth, vocab + 1, vocab, generator=torch.Generator().manual_seed(0))).log_softmax(-1)
+    expected, fed_frontiers = reference_tree(lambda path: table[len(path), path[-1] if path else -1], shape)
+    drafted, fed = grown_tree(table, shape)
+    paths = tree_paths(drafted)
+    assert set(paths[1:]) == set(expected)  # the max_nodes most probable nodes
+    for parent in set(drafted.parents[0].tolist()):  # siblings: most probable first
+        sibling_scores = [expected[paths[i + 1]] for i, p in enumerate(drafted.parents[0].tolist()) if p == parent]
+        assert sibling_scores == sorted(sibling_scores, reverse=True)
+    # the draft's cache: the root in slot 0, then each fed frontier, best first
+    fed_slot = {(): 0} | {
+        path: 1 + d * shape.top_k + j for d, f in enumerate(fed_frontiers) for j, path in enumerate(f)
+    }
+    assert fed[0].tolist() == [fed_slot.get(path, -1) for path in paths]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_a_draft_models_tree_is_the_expansion_of_fresh_forwards(noisy_draft, tokenizer, temperature):
+    """The draft's frontier forwards (tree mask and positions in its own cache) score every path as a
+    fresh forward over the context and the path does; sampled, by the warped q."""
+    shape, params = TreeShape(4, 3, 16), SamplingParams(temperature, top_k=20)
+    prompts = [tokenizer.encode(p) for p in PROMPTS[1:3]]
+    drafter = ModelDrafter(cached(noisy_draft))
+    drafter.start(prompts, 100, None)
+    drafted = drafter.propose_tree(shape, params, None)
+    for row, prompt in enumerate(prompts):
+
+        def log_probs(path, prompt=prompt):
+            fresh = cached(noisy_draft)
+            fresh.reset(len(prompt) + len(path))
+            logits = fresh.forward(torch.tensor([prompt + list(path)]), logits="last").logits[0, -1]
+            return tree.draft_log_probs(logits, params)
+
+        expected, _ = reference_tree(log_probs, shape)
+        assert set(tree_paths(drafted, row)[1:]) == set(expected)
+
+
+def test_tree_mask_shows_context_and_ancestors_only():
+    # root -> a (slot 1), b (slot 2); a -> c (slot 3): c sees the root, a and itself, never b
+    parents = torch.tensor([[0, 0, 1]])
+    drafted = tree.DraftTree(torch.tensor([[5, 6, 7]]), parents, depth=2)
+    region = tree.target_region(drafted, start=[2])
+    allowed, positions = region.attention(torch.arange(7))
+    assert allowed[0].int().tolist() == [
+        [1, 1, 1, 0, 0, 0, 0],  # root: the context (slots 0, 1) and itself
+        [1, 1, 1, 1, 0, 0, 0],  # a
+        [1, 1, 1, 0, 1, 0, 0],  # b: not its sibling a
+        [1, 1, 1, 1, 0, 1, 0],  # c
+    ]
+    assert positions[0].tolist() == [0, 1, 2, 3, 3, 4, 6]  # a and b at depth 1, c at depth 2
+    assert region.positions.tolist() == [[2, 3, 3, 4]]
+
+
+def feature_draft(target, taps=(0, 1)):
+    """A feature draft for `target` whose head scores every other token (a vocabulary subset)."""
+    return init_draft(target, 1, torch.arange(0, target.config.vocab_size, 2), taps).eval()
+
+
+def started_feature_drafter(target, draft, prompts: list[list[int]]) -> FeatureDrafter:
+    """A feature drafter after the prefill, as the decode loop starts it."""
+    reader = CachedModel(target, target.config.vocab_size, target_layers(draft))
+    reader.reset(max(map(len, prompts)))
+    ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(p[:-1]) for p in prompts], batch_first=True)
+    states = reader.forward(ids, counts=[len(p) - 1 for p in prompts], logits="none", hidden=True).hidden
+    drafter = FeatureDrafter(cached(draft))
+    drafter.start(prompts, 100, states)
+    return drafter
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_a_feature_drafts_tree_is_the_expansion_of_its_chain_steps(tiny_target, tokenizer, temperature):
+    """Every node is read beside its parent's state: the tree scores each path as the chain's steps
+    forced along it do (context beside the target's states, then the path beside the draft's own)."""
+    shape, params = TreeShape(3, 3, 9), SamplingParams(temperature, top_k=20)
+    draft = feature_draft(tiny_target)
+    prompts = [tokenizer.encode(p) for p in PROMPTS[1:3]]
+    drafted = started_feature_drafter(tiny_target, draft, prompts).propose_tree(shape, params, None)
+    for row, prompt in enumerate(prompts):
+
+        def log_probs(path, prompt=prompt):
+            drafter = started_feature_drafter(tiny_target, draft, [prompt])
+            out = drafter._forward(drafter.pending, drafter.pending_states, "last")
+            logits, state = out.logits[:, -1], out.hidden[:, -1:]
+            for token in path:
+                inputs = feature_inputs(draft, torch.tensor([[token]]), state)
+                out = drafter.model.forward(inputs_embeds=inputs, logits="last", hidden=True)
+                logits, state = out.logits[:, -1], out.hidden[:, -1:]
+            return tree.draft_log_probs(logits[0], params, drafter.subset)
+
+        expected, _ = reference_tree(log_probs, shape)
+        assert set(tree_paths(drafted, row)[1:]) == set(expected)
+
+
+# ---------------------------------------------------------------- the sampled rule
+
+
+def siblings_tested_against_p(target_probs, tokens, children, generator):
+    """Bug: p' is never updated: every child is tried against p, and the leftover is p itself."""
+    mass = target_probs.gather(1, tokens).double() * children
+    u = torch.rand(mass.shape, dtype=torch.float64, generator=generator)
+    return u < mass, target_probs
+
+
+def p_prime_not_renormalised(target_probs, tokens, children, generator):
+    """Bug: a rejected child is zeroed in p' but p' is not renormalised, so a later child is accepted
+    with p(x), not p(x) over the mass left (the leftover's draw normalises by itself)."""
+    mass = target_probs.gather(1, tokens).double() * children
+    u = torch.rand(mass.shape, dtype=torch.float64, generator=generator)
+    drafted = torch.zeros_like(target_probs).scatter_add_(1, tokens, children.to(target_probs.dtype))
+    return u < mass, (target_probs - drafted).clamp_min(0)
+
+
+BROKEN_RULES = [
+    pytest.param(siblings_tested_against_p, id="siblings-tested-against-p"),
+    pytest.param(p_prime_not_renormalised, id="p'-not-renormalised"),
+]
+
+
+def emitted_at_one_node(p: torch.Tensor, children: list[int], draws: int, seed: int) -> np.ndarray:
+    """Counts of the token emitted at a node with these children (most probable draft first)."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.tensor(children).expand(draws, -1)
+    passed, leftover = tree.try_children(
+        p.expand(draws, -1), tokens, torch.ones(draws, len(children), dtype=torch.bool), gen
+    )
+    order = torch.arange(len(children))
+    first = torch.where(passed, order, len(children)).min(dim=1).values
+    emitted = torch.where(
+        first < len(children),
+        tokens[:, 0].new_tensor(children)[first.clamp_max(len(children) - 1)],
+        sample(leftover, gen),
+    )
+    return np.bincount(emitted.numpy(), minlength=len(p))
+
+
+CASES = [
+    ("children hold little mass", [0.4, 0.3, 0.1, 0.1, 0.06, 0.04], [5, 2, 4]),
+    ("children hold most", [0.05, 0.3, 0.25, 0.2, 0.1, 0.1], [1, 2, 3]),
+    ("children hold all", [0.5, 0.3, 0.2, 0.0, 0.0, 0.0], [1, 0, 2]),
+    ("a child the target never takes", [0.5, 0.3, 0.2, 0.0, 0.0, 0.0], [3, 0]),
+]
+
+
+def p_value(counts: np.ndarray, p: list[float]) -> float:
+    expected = np.array(p) / np.sum(p) * counts.sum()
+    assert counts[expected == 0].sum() == 0, "a token of probability 0 was emitted"
+    kept = expected > 0
+    return stats.chisquare(counts[kept], expected[kept]).pvalue
+
+
+@pytest.mark.parametrize("name, p, children", CASES, ids=[c[0] for c in CASES])
+def test_one_node_emits_p(name, p, children):
+    counts = emitted_at_one_node(torch.tensor(p), children, 200_000, seed=1)
+    assert p_value(counts, p) > SIGNIFICANCE
+
+
+@pytest.mark.parametrize("broken", BROKEN_RULES)
+def test_one_node_check_fails_on_broken_rules(monkeypatch, broken):
+    monkeypatch.setattr(tree, "try_children", broken)
+    _, p, children = CASES[1]
+    assert p_value(emitted_at_one_node(torch.tensor(p), children, 200_000, seed=1), p) < 1e-6
+
+
+def test_the_exact_output_of_the_rule_is_p():
+    """Enumerated, not drawn: child j is reached with the mass p' has left and accepted with p'(x_j)."""
+    for _, p, children in CASES:
+        p = torch.tensor(p, dtype=torch.float64)
+        left, out = 1.0, torch.zeros_like(p)
+        for x in children:
+            kept = float(p[x]) / left if left > 0 else 0.0
+            out[x] += left * kept
+            left -= left * kept
+        out += left * residual(p, torch.zeros_like(p).index_fill_(0, torch.tensor(children), 1.0))
+        assert torch.allclose(out, p, atol=1e-12)
+
+
+def two_level_tree(rows: int) -> tree.DraftTree:
+    # root -> 1 (slot 1), 3 (slot 2), 4 (slot 3); slot 1 -> 0 (slot 4), 2 (slot 5)
+    return tree.DraftTree(
+        torch.tensor([[1, 3, 4, 0, 2]]).expand(rows, -1), torch.tensor([[0, 0, 0, 1, 1]]).expand(rows, -1), 2
+    )
+
+
+def walk_draws(params: SamplingParams, logits: torch.Tensor, rows: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """First and second emitted tokens of `rows` walks of verify_sampled over the two-level tree."""
+    drafted = two_level_tree(rows)
+    num_accepted, next_token, path = tree.verify_sampled(
+        drafted, logits.expand(rows, -1, -1), params, torch.Generator().manual_seed(seed)
+    )
+    on_path = drafted.tokens.gather(1, (path[:, 1:] - 1).clamp_min(0))  # [rows, 2]
+    emitted = torch.cat([on_path, next_token[:, None]], dim=1)
+    emitted = torch.where(torch.arange(3) < num_accepted[:, None], emitted, next_token[:, None])
+    return emitted[:, 0].numpy(), torch.where(num_accepted >= 1, emitted[:, 1], -1).numpy()
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.6, top_k=4), SamplingParams(1.0, top_p=0.8)])
+def test_the_walk_emits_the_targets_tokens(params):
+    logits = 1.5 * torch.randn(1, 6, 6, generator=torch.Generator().manual_seed(3))
+    probs = verify.sampling.warp(logits[0], params).double().numpy()  # per slot
+    first, second = walk_draws(params, logits, 100_000, seed=0)
+    p_values = [p_value(np.bincount(first, minlength=6), probs[0])]
+    for slot, token in ((1, 1), (2, 3), (3, 4)):  # after a child, the next token is the target's there
+        p_values.append(p_value(np.bincount(second[first == token], minlength=6), probs[slot]))
+    assert min(p_values) > SIGNIFICANCE / len(p_values), p_values
+
+
+# ---------------------------------------------------------------- the engine
+
+
+@pytest.fixture(scope="module")
+def noisy_draft():
+    return build_tiny(TinyModel(seed=0, noise=0.005)).eval()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[s.describe().split(" (")[0] for s in SHAPES])
+def test_greedy_trees_are_the_target_alone(tiny_target, noisy_draft, tokenizer, shape):
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    alone = SpeculativeDecoder(cached(tiny_target), None, SamplingParams(), 1, set())
+    expected = [alone.generate(p, 30, 0).token_ids for p in prompts]
+    decoder = SpeculativeDecoder(
+        cached(tiny_target), ModelDrafter(cached(noisy_draft)), SamplingParams(), shape.depth, set(), shape
+    )
+    assert [r.token_ids for r in decoder.generate_batch(prompts, 30, 0)] == expected  # batch 4
+    one = decoder.generate(prompts[3], 30, 0)
+    assert one.token_ids == expected[3]  # batch 1
+    if shape.max_nodes > shape.depth:  # side branches are accepted too: more than the chain of first choices
+        assert max(s.accepted for s in one.steps) >= 1
+
+
+class CheckedTree:
+    """Passes every call to a model or feature drafter; after start, commit_tree and keep, checks that
+    its cache holds the rows' contexts but `pending`; a draft model's with the keys and values a fresh
+    prefill of them gives (right tokens, right positions, nothing of a rejected branch)."""
+
+    def __init__(self, drafter: ModelDrafter | FeatureDrafter):
+        self.inner = drafter
+        self.reads_target_states = drafter.reads_target_states
+        self.context: list[list[int]] = []
+        self.blocks = 0
+
+    def check(self):
+        model = self.inner.model
+        if isinstance(self.inner, FeatureDrafter):  # input j is (state j, token j + 1): one entry fewer
+            assert [n + len(p) + 1 for n, p in zip(model.lengths, self.inner.pending)] == list(map(len, self.context))
+            return
+        for row, context in enumerate(self.context):
+            length = model.lengths[row]
+            assert context[length:] == self.inner.pending[row]
+            fresh = CachedModel(model.model, model.vocab_size)
+            fresh.reset(length)
+            fresh.forward(torch.tensor([context[:length]]), logits="none")
+            for ours, theirs in zip(model.cache.layers, fresh.cache.layers):
+                torch.testing.assert_close(ours.keys[row, :, :length], theirs.keys[0, :, :length], atol=1e-5, rtol=0)
+                torch.testing.assert_close(
+                    ours.values[row, :, :length], theirs.values[0, :, :length], atol=1e-5, rtol=0
+                )
+
+    def start(self, prompts, max_tokens, target_states):
+        self.inner.start(prompts, max_tokens, target_states)
+        self.context = [list(p) for p in prompts]
+        self.check()
+
+    def propose_tree(self, shape, params, generator):
+        return self.inner.propose_tree(shape, params, generator)
+
+    def commit_tree(self, path, draft_ids, num_accepted, next_tokens, target_states):
+        self.inner.commit_tree(path, draft_ids, num_accepted, next_tokens, target_states)
+        for context, ids, accepted, token in zip(self.context, draft_ids, num_accepted, next_tokens):
+            context += ids[:accepted] + [token]
+        self.blocks += 1
+        self.check()
+
+    def keep(self, rows):
+        self.inner.keep(rows)
+        self.context = [self.context[r] for r in rows]
+        self.check()
+
+
+def decode_checked(tiny_target, noisy_draft, tokenizer, temperature: float) -> CheckedTree:
+    checked = CheckedTree(ModelDrafter(cached(noisy_draft)))
+    shape = TreeShape(3, 2, 6)
+    decoder = SpeculativeDecoder(cached(tiny_target), checked, SamplingParams(temperature), 3, set(), shape)
+    decoder.generate_batch([tokenizer.encode(p) for p in PROMPTS], 24, 0)
+    return checked
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_draft_keeps_the_accepted_path_and_nothing_else(tiny_target, noisy_draft, tokenizer, temperature):
+    assert decode_checked(tiny_target, noisy_draft, tokenizer, temperature).blocks >= 5
+
+
+def test_the_draft_check_catches_a_path_left_in_place(tiny_target, noisy_draft, tokenizer, monkeypatch):
+    compact = CachedModel.compact
+
+    def broken(self, start, path, kept):  # the draft's cache keeps the tree's slots as they were
+        return (
+            compact(self, start, path, kept)
+            if self.model is tiny_target
+            else rejected_keys_kept_compact(self, start, path, kept)
+        )
+
+    monkeypatch.setattr(CachedModel, "compact", broken)
+    with pytest.raises(AssertionError):
+        decode_checked(tiny_target, noisy_draft, tokenizer, 0.0)
+
+
+@pytest.mark.parametrize("shape", [TreeShape(4, 3, 16), TreeShape(2, 4, 20)], ids=["4,3,16", "2,4,20"])
+def test_greedy_feature_trees_are_the_target_alone(tiny_target, tokenizer, shape):
+    # the first prompt has one token: its row has no target state to draft from in the first block
+    prompts = [tokenizer.encode(p) for p in ["H"] + PROMPTS[1:]]
+    alone = SpeculativeDecoder(cached(tiny_target), None, SamplingParams(), 1, set())
+    expected = [alone.generate(p, 30, 0).token_ids for p in prompts]
+    draft = feature_draft(tiny_target)
+    target = CachedModel(tiny_target, tiny_target.config.vocab_size, target_layers(draft))
+    decoder = SpeculativeDecoder(target, FeatureDrafter(cached(draft)), SamplingParams(), shape.depth, set(), shape)
+    assert [r.token_ids for r in decoder.generate_batch(prompts, 30, 0)] == expected  # batch 4
+    assert decoder.generate(prompts[0], 30, 0).token_ids == expected[0]  # batch 1
+
+
+def test_a_feature_draft_holds_the_context_after_every_tree(tiny_target, tokenizer):
+    """Its rule (drafters/feature.py): cache + pending + 1 = the context, after every call."""
+    draft = feature_draft(tiny_target)
+    checked = CheckedTree(FeatureDrafter(cached(draft)))
+    target = CachedModel(tiny_target, tiny_target.config.vocab_size, target_layers(draft))
+    decoder = SpeculativeDecoder(target, checked, SamplingParams(1.0), 3, set(), TreeShape(3, 2, 6))
+    decoder.generate_batch([tokenizer.encode(p) for p in ["H"] + PROMPTS[1:]], 24, 0)
+    assert checked.blocks >= 5
+
+
+# ---------------------------------------------------------------- verify-distribution on trees
+
+RUNS = 300
+
+
+def tree_pair(write_config, shape: str = "3,2,6", **sampling):
+    depth, top_k, nodes = map(int, shape.split(","))
+    config = write_config(
+        {
+            "speculation": {"tree": {"depth": depth, "top_k": top_k, "max_nodes": nodes}},
+            "sampling": sampling,
+            **ONE_THREAD,
+        }
+    )
+    return load_pair(load_config(str(config)))
+
+
+def model_rows(pair, params: SamplingParams, batch_size: int = 1) -> list[verify.Row]:
+    ids = pair.encode(PROMPTS[3])
+    rows = verify.check_model(pair, ids, "p", params, RUNS, seed=0, significance=SIGNIFICANCE, batch_size=batch_size)
+    rows += [verify.check_greedy(pair, ids, "p", 32, seed=0)]
+    verify.holm(rows, SIGNIFICANCE)
+    return rows
+
+
+def failing(rows) -> list[str]:
+    return [f"{row.check}: {row.what}" for row in rows if row.status == verify.FAIL]
+
+
+@pytest.mark.parametrize(
+    "params, batch_size",
+    [(SamplingParams(0.6, top_k=20), 1), (SamplingParams(1.0, top_p=0.9), 4)],
+    ids=["T0.6-top-k-batch1", "T1-top-p-batch4"],
+)
+def test_tree_checks_pass_on_the_real_engine(write_config, params, batch_size):
+    rows = model_rows(tree_pair(write_config), params, batch_size)
+    assert failing(rows) == []
+    assert sum(r.p_value is not None for r in rows) >= 5  # the tests ran, not skipped for want of draws
+
+
+def test_feature_tree_checks_pass(write_config, tmp_path):
+    from test_host_syncs import feature_draft_folder  # specdec's feature draft for an 8-layer tiny target
+
+    changes = {
+        "target": {"tiny": {"seed": 0, "num_layers": 8}},
+        "draft": {"checkpoint": str(feature_draft_folder(tmp_path))},
+        "speculation": {"tree": {"depth": 3, "top_k": 2, "max_nodes": 6}},
+        **ONE_THREAD,
+    }
+    pair = load_pair(load_config(str(write_config(changes))))
+    assert isinstance(pair.drafter, FeatureDrafter)
+    rows = model_rows(pair, SamplingParams(0.6, top_k=20, top_p=0.9), batch_size=4)
+    assert failing(rows) == [] and sum(r.p_value is not None for r in rows) >= 5
+
+
+def greedy_at_temperature(monkeypatch) -> None:
+    """The silent fallback: trees verified greedily when sampling."""
+    monkeypatch.setattr(
+        tree, "verify_sampled", lambda drafted, logits, params, gen: tree.verify_greedy(drafted, logits)
+    )
+
+
+def sibling_in_mask(monkeypatch) -> None:
+    """A node also attends to its earlier siblings (a mask causal over the tree's order among siblings)."""
+    ancestry = tree.ancestry
+
+    def broken(parents, depth):
+        earlier_sibling = (parents[:, :, None] == parents[:, None, :]) & torch.ones_like(
+            parents[0, :, None] == parents[0, None, :]
+        ).tril(-1)
+        return ancestry(parents, depth) | (earlier_sibling & (parents >= 0)[:, :, None])
+
+    monkeypatch.setattr(tree, "ancestry", broken)
+
+
+def rejected_keys_kept_compact(self, start, path, kept):
+    """CachedModel.compact that forgets to move the path: the tree's slots stay as they were, with
+    rejected nodes' keys where the path should be."""
+    self.lengths = [s + k for s, k in zip(start, kept)]
+
+
+def rejected_keys_kept(monkeypatch) -> None:
+    monkeypatch.setattr(CachedModel, "compact", rejected_keys_kept_compact)
+
+
+@pytest.mark.parametrize(
+    "inject",
+    [
+        pytest.param(greedy_at_temperature, id="greedy-at-T>0"),
+        pytest.param(lambda mp: mp.setattr(tree, "try_children", siblings_tested_against_p), id="siblings-against-p"),
+        pytest.param(lambda mp: mp.setattr(tree, "try_children", p_prime_not_renormalised), id="p'-not-renormalised"),
+        pytest.param(sibling_in_mask, id="sibling-in-mask"),
+        pytest.param(rejected_keys_kept, id="rejected-keys-visible"),
+    ],
+)
+def test_tree_checks_fail_on_broken_engines(write_config, monkeypatch, inject):
+    pair = tree_pair(write_config, "3,3,9")
+    inject(monkeypatch)
+    assert failing(model_rows(pair, SamplingParams(0.6)))
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def test_verify_distribution_runs_tree_configs_and_catches_a_broken_rule(write_config, monkeypatch):
+    config = str(write_config({"sampling": {"temperature": 1.0}, **ONE_THREAD}))
+    args = ["verify-distribution", "-c", config, "--tree", "3,2,6", "--samples", "60", "--json", "-p", PROMPTS[3]]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["verdict"] == "pass" and record["config"]["speculation"]["tree"] == {
+        "depth": 3,
+        "top_k": 2,
+        "max_nodes": 6,
+    }
+    assert sum("tree rule draws" in row["what"] for row in record["checks"]) == 9
+    monkeypatch.setattr(tree, "try_children", p_prime_not_renormalised)
+    failed = runner.invoke(app, args)
+    assert failed.exit_code == EXIT_CHECK_FAILED
+    assert any(
+        "tree rule draws" in row["what"] and row["status"] == "fail" for row in json.loads(failed.stdout)["checks"]
+    )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--tree", "4,3"], "--tree: expected DEPTH,TOP_K,MAX_NODES"),
+        (["--tree", "4,3,40"], "at most the nodes drafted"),
+        (["--tree", "4,0,4"], "depth and top_k must be >= 1"),
+        (["--tree", "3,2,6", "--gamma", "2"], "give one of them"),
+        (["--tree", "3,2,6", "--confidence-threshold", "0.2"], "confidence_threshold cuts chains"),
+    ],
+)
+def test_bad_tree_settings_are_one_error_line(write_config, args, message):
+    result = runner.invoke(app, ["generate", "-c", str(write_config()), "-p", "abc", *args])
+    assert result.exit_code == EXIT_BAD_INPUT
+    assert result.output.strip().splitlines()[-1].startswith("Error: ") and message in result.output
+
+
+@pytest.mark.parametrize(
+    "draft",
+    [{"ngram": {"max_n": 3, "min_n": 1}}, {"tiny": {"seed": 0}, "lookup": {"max_n": 3, "min_n": 1}}],
+    ids=["ngram", "lookup"],
+)
+def test_drafters_without_trees_refuse_them(write_config, draft):
+    result = runner.invoke(app, ["generate", "-c", str(write_config({"draft": draft})), "-p", "abc", "--tree", "2,2,4"])
+    assert result.exit_code == EXIT_BAD_INPUT
+    assert "has no draft tree yet" in result.output.strip().splitlines()[-1]
+
+
+def test_generate_names_the_tree(write_config):
+    result = runner.invoke(app, ["generate", "-c", str(write_config()), "-p", "abc", "--tree", "3,2,6", "--json"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["config"]["speculation"]["tree"]["max_nodes"] == 6
+    assert record["stats"]["new_tokens"] == 16 and all(s["drafted"] <= 3 for s in record["steps"])
+
+
+def test_benchmark_measures_chains_and_trees_side_by_side(write_config, tmp_path):
+    # the draft is the target and the tree one path: greedy, every block accepts the whole depth
+    config = write_config({"draft": {"tiny": {"seed": 0}}, "generation": {"max_new_tokens": 12, "ignore_eos": True}})
+    args = ["benchmark", "-c", str(config), "--gamma", "2", "--tree", "3,1,3", "--temperatures", "0,1"]
+    result = runner.invoke(app, args + ["--batch-sizes", "2", "--category", "qa", "--limit", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert [(r["temperature"], r["gamma"], r["tree"]) for r in record["runs"][:3]] == [
+        (0.0, 0, None),
+        (0.0, 2, None),
+        (0.0, 3, "3,1,3"),
+    ]
+    overall = {(r["temperature"], r["tree"]): r for r in record["summary"] if r["group"] == "overall"}
+    assert set(overall) == {(0.0, None), (0.0, "3,1,3"), (1.0, None), (1.0, "3,1,3")}
+    greedy_tree = overall[(0.0, "3,1,3")]
+    assert greedy_tree["mean_accepted_length"] == 4.0 and greedy_tree["acceptance_by_position"] == [1.0] * 3
+    assert greedy_tree["greedy_identical"] == greedy_tree["prompts"] == 2
+    assert greedy_tree["predicted_speedup"] is None  # Leviathan's formula is a chain's
+    assert {(r["batch_size"], r["tree"]) for r in record["batch_summary"]} >= {(2, "3,1,3"), (2, None)}
+    report = next((tmp_path / "runs").glob("*-benchmark-tiny-test")) / "report.md"
+    assert "greedy, tree 3,1,3" in report.read_text() and "| tree 3,1,3 |" in report.read_text()
