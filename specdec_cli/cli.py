@@ -74,7 +74,7 @@ class DraftFormat(str, Enum):
 @app.command(
     epilog="""Examples:\n
   specdec generate --prompt "Summarize: ..."\n
-  specdec generate -c configs/tiny-random.yaml --prompt "abc" --temperature 0.7 --json\n
+  specdec generate -c tiny-random --prompt "abc" --temperature 0.7 --json\n
   cat question.txt | specdec generate --prompt - --max-new-tokens 64\n
   specdec generate --prompts prompts.txt --batch-size 4 --json > answers.json"""
 )
@@ -148,7 +148,7 @@ def generate(
 @app.command(
     epilog="""Examples:\n
   specdec benchmark\n
-  specdec benchmark -c configs/tiny-random.yaml --gamma 1,2,4 --temperatures 0,0.7 --repeats 3\n
+  specdec benchmark -c tiny-random --gamma 1,2,4 --temperatures 0,0.7 --repeats 3\n
   specdec benchmark --prompts question.jsonl --category qa --limit 5 --peer hf\n
   specdec benchmark --min-speedup 1.2 --min-accept-length 2 --json > result.json\n
   specdec benchmark --batch-sizes 1,2,4,8 --max-new-tokens 64\n

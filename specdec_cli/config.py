@@ -20,7 +20,8 @@ import yaml
 
 from specdec_cli.errors import SpecdecError, read_text
 
-DEFAULT_CONFIG = "smollm2-draft"  # name of a file in configs/
+BUILTIN_CONFIGS = Path(__file__).resolve().parent / "configs"  # package data, so a wheel has them too
+DEFAULT_CONFIG = "smollm2-draft"  # name of a file in BUILTIN_CONFIGS
 VERIFICATIONS = ("token", "block")  # speculation.verification
 
 
@@ -255,16 +256,17 @@ def parse_config(data: Any, source: str | None = None) -> Config:
 
 
 def find_config(name_or_path: str | None) -> Path:
-    """A path as given, or a name looked up in ./configs/ and then in the source checkout's configs/."""
+    """A path as given, or a name looked up in ./configs/ and then among the built-in configs."""
     name = name_or_path or DEFAULT_CONFIG
     path = Path(name).expanduser()
     if path.is_file():
         return path
-    for folder in (Path("configs"), Path(__file__).resolve().parent.parent / "configs"):
+    for folder in (Path("configs"), BUILTIN_CONFIGS):
         candidate = folder / f"{name}.yaml"
         if candidate.is_file():
             return candidate
-    raise SpecdecError(f"config not found: {name}")
+    builtin = ", ".join(sorted(p.stem for p in BUILTIN_CONFIGS.glob("*.yaml")))
+    raise SpecdecError(f"config not found: {name} (not a file, nor a name in ./configs/ or built in: {builtin})")
 
 
 def load_config(name_or_path: str | None) -> Config:

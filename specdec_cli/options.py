@@ -19,7 +19,9 @@ EXIT_INTERRUPTED = 130
 # Options shared by every command. A flag overrides the YAML when given, including 0 and false.
 ConfigOpt = Annotated[
     Optional[str],
-    typer.Option("--config", "-c", help=f"YAML config: a path, or a name in ./configs/ (default: {DEFAULT_CONFIG})."),
+    typer.Option(
+        "--config", "-c", help=f"YAML config: a path, or a name in ./configs/ or built in (default: {DEFAULT_CONFIG})."
+    ),
 ]
 TemperatureOpt = Annotated[Optional[float], typer.Option(help="Sampling temperature; 0 is greedy.")]
 TopKOpt = Annotated[Optional[int], typer.Option(help="Keep the k most likely tokens; 0 disables.")]
