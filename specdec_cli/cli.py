@@ -258,8 +258,8 @@ def benchmark(
 )
 @reports_errors
 def compare(
-    a: Annotated[Path, typer.Argument(help="Benchmark record A: a run folder or its record.json.")],
-    b: Annotated[Path, typer.Argument(help="Benchmark record B, set beside A (B / A ratios).")],
+    a: Annotated[Path, typer.Argument(metavar="A", help="Benchmark record A: a run folder or its record.json.")],
+    b: Annotated[Path, typer.Argument(metavar="B", help="Benchmark record B, set beside A (B / A ratios).")],
     as_json: JsonOpt = False,
     runs_dir: RunsDirOpt = None,
     record: RecordOpt = True,
