@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from specdec_cli import display, records
+from specdec_cli.bench import charts
 from specdec_cli.bench.plan import Mode, Plan
 from specdec_cli.bench.prompts import Prompt
 from specdec_cli.bench.report import (
@@ -94,7 +95,9 @@ def execute(
         + ([peer_report(peers, caption)] if peers else [])
         + ([batch_report(batch_summary, rule)] if batch_runs else [])
     )
-    written = records.write_record("benchmark", cfg.name, record, {"report.md": markdown_document(record, tables)})
+    chart_files = charts.draw([(charts.heading(record), record)]) if records.recording else {}
+    report = markdown_document(record, tables, list(chart_files))
+    written = records.write_record("benchmark", cfg.name, record, {"report.md": report, **chart_files})
     if as_json:
         print(records.dumps(record))
     else:

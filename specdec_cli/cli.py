@@ -10,9 +10,9 @@ from typing import Annotated, Optional
 
 import typer
 
+from specdec_cli import records
 from specdec_cli.bench.plan import choose_prompts, make_plan, parse_list
 from specdec_cli.bench.prompts import load_prompts
-from specdec_cli.bench.report import compare as compare_records
 from specdec_cli.config import parse_tree
 from specdec_cli.errors import SpecdecError
 from specdec_cli.options import (
@@ -152,9 +152,8 @@ def generate(
   specdec benchmark --prompts question.jsonl --category qa --limit 5 --peer hf\n
   specdec benchmark --min-speedup 1.2 --min-accept-length 2 --json > result.json\n
   specdec benchmark --batch-sizes 1,2,4,8 --max-new-tokens 64\n
-  specdec benchmark --temperatures 1 --verification block   # then --compare with a token run\n
-  specdec benchmark -c smollm2-draft-only --tree 4,3,16 --tree 3,2,8   # a chain and two trees side by side\n
-  specdec benchmark --compare runs/A runs/B"""
+  specdec benchmark --temperatures 1 --verification block   # then `specdec compare` with a token run\n
+  specdec benchmark -c smollm2-draft-only --tree 4,3,16 --tree 3,2,8   # a chain and two trees side by side"""
 )
 @reports_errors
 def benchmark(
@@ -209,10 +208,7 @@ def benchmark(
     min_accept_length: Annotated[
         Optional[float], typer.Option(help="Exit 4 unless every overall mean accepted length reaches this.")
     ] = None,
-    compare: Annotated[
-        Optional[tuple[Path, Path]],
-        typer.Option(help="Show two benchmark records (run folders or record.json) side by side; runs nothing."),
-    ] = None,
+    compare: Annotated[Optional[tuple[Path, Path]], typer.Option(hidden=True)] = None,  # the old spelling
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     threads: ThreadsOpt = None,
@@ -222,9 +218,9 @@ def benchmark(
 ) -> None:
     """Measure target-only vs speculative decoding on a prompt set, greedy and sampled: tokens/s,
     speedup, acceptance, cost ratio and Leviathan's predicted speedup. Writes runs/<time>-benchmark-<name>/
-    with record.json and report.md."""
+    with record.json, report.md and its charts (chart.png, chart.svg)."""
     if compare:
-        return compare_records(*compare, as_json=as_json)
+        raise SpecdecError("benchmark --compare is a command of its own now: use 'specdec compare A B'")
     cfg = configure(
         config,
         runs_dir,
@@ -252,6 +248,29 @@ def benchmark(
     from specdec_cli.benchmark import execute  # torch/transformers load only once arguments are fine
 
     execute(cfg, selected, plan, as_json, min_speedup, min_accept_length)
+
+
+@app.command(
+    epilog="""Examples:\n
+  specdec compare runs/A runs/B\n
+  specdec compare runs/A/record.json runs/B --json > comparison.json\n
+  specdec compare runs/A runs/B --runs-dir charts   # the charts go to charts/<time>-compare-<A>-vs-<B>/"""
+)
+@reports_errors
+def compare(
+    a: Annotated[Path, typer.Argument(metavar="A", help="Benchmark record A: a run folder or its record.json.")],
+    b: Annotated[Path, typer.Argument(metavar="B", help="Benchmark record B, set beside A (B / A ratios).")],
+    as_json: JsonOpt = False,
+    runs_dir: RunsDirOpt = None,
+    record: RecordOpt = True,
+) -> None:
+    """Show two benchmark records side by side, matched by temperature and gamma or tree, with B / A
+    ratios; runs nothing. Writes runs/<time>-compare-<A>-vs-<B>/ with the table (report.md) and both
+    runs' charts side by side on shared scales (chart.png, chart.svg)."""
+    from specdec_cli.compare import compare as compare_records
+
+    records.configure(runs_dir, record)
+    compare_records(a, b, as_json)
 
 
 @app.command(

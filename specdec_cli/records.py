@@ -50,13 +50,14 @@ def dumps(record: dict[str, Any]) -> str:
     return json.dumps(record, indent=2, ensure_ascii=False)
 
 
-def write_record(command: str, name: str, record: dict[str, Any], files: dict[str, str] | None = None) -> str:
-    """Write record.json and `files` (name: text) into a new run folder; returns what to tell the
-    user: where they are, or that nothing was written."""
+def write_record(command: str, name: str, record: dict[str, Any], files: dict[str, str | bytes] | None = None) -> str:
+    """Write record.json and `files` (name: text, or bytes such as a chart's) into a new run folder;
+    returns what to tell the user: where they are, or that nothing was written."""
     if not recording:
         return "Not recorded (--no-record)."
     folder = run_folder(command, name)
     (folder / "record.json").write_text(dumps(record) + "\n")
-    for file_name, text in (files or {}).items():
-        (folder / file_name).write_text(text)
+    for file_name, content in (files or {}).items():
+        path = folder / file_name
+        path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
     return "Record: " + ", ".join(str(folder / n) for n in ["record.json", *(files or {})])

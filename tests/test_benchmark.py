@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 import torch
 import yaml
 from typer.testing import CliRunner
 
+from specdec_cli.bench import charts
 from specdec_cli.bench.plan import Plan
 from specdec_cli.bench.prompts import Prompt
 from specdec_cli.bench.report import compare_report
@@ -36,8 +38,8 @@ SAME_PAIR = {
 runner = CliRunner()
 
 
-def run_cli(*args: str) -> tuple[int, str, str]:
-    result = runner.invoke(app, ["benchmark", *args])
+def run_cli(*args: str, command: str = "benchmark") -> tuple[int, str, str]:
+    result = runner.invoke(app, [command, *args])
     return result.exit_code, result.stdout, result.stderr
 
 
@@ -57,6 +59,22 @@ def written_record(tmp_path: Path, name: str) -> Path:
     """The one benchmark run folder of config `name` in this test's $SPECDEC_RUNS_DIR (see conftest)."""
     [folder] = (tmp_path / "runs").glob(f"*-benchmark-{name}")
     return folder
+
+
+def assert_charts(folder: Path, *texts: str) -> None:
+    """The run folder's chart.png decodes as an image, its chart.svg is an SVG whose text holds `texts`,
+    and its report.md shows the one and links both."""
+    import matplotlib.image
+
+    height, width, _ = matplotlib.image.imread(folder / "chart.png").shape
+    assert height > 500 and width > 500
+    svg = ElementTree.parse(folder / "chart.svg").getroot()
+    assert svg.tag == "{http://www.w3.org/2000/svg}svg"
+    words = " ".join(svg.itertext())
+    for text in texts:
+        assert text in words
+    report = (folder / "report.md").read_text()
+    assert "![charts](chart.png)" in report and "[chart.svg](chart.svg)" in report
 
 
 def save_checkpoint(model, folder: Path) -> Path:
@@ -195,6 +213,42 @@ def test_identical_draft_accepts_everything_end_to_end(same_config, tmp_path):
     folder = written_record(tmp_path, "tiny-same")
     assert json.loads((folder / "record.json").read_text())["summary"] == record["summary"]
     assert "Speedup by category" in (folder / "report.md").read_text()
+    modes = ["greedy, γ=1", "greedy, γ=3", "T=1, γ=1", "T=1, γ=3"]
+    assert_charts(folder, "Speedup by category", "Mean accepted length", "Acceptance by draft position", *modes)
+    assert "Throughput by batch size" not in (folder / "chart.svg").read_text()  # no --batch-sizes
+
+
+def test_batch_sizes_add_throughput_to_the_chart(same_config, tmp_path):
+    options = "--category qa --limit 2 --batch-sizes 2 --temperatures 0 --warmup 0".split()
+    code, out, err = run_cli("-c", str(same_config), *options)
+    assert code == 0, err
+    assert_charts(written_record(tmp_path, "tiny-same"), "Throughput by batch size", "target alone, greedy")
+
+
+def test_the_chart_marks_the_crossover():
+    # hand-made: speculation pays at batch 1 and 2, not at 4
+    def batch_row(size: int, speedup: float) -> dict:
+        return {
+            "batch_size": size,
+            "temperature": 0.0,
+            "gamma": 3,
+            "tree": None,
+            "baseline_tokens_per_second": [100.0 * size] * 3,
+            "speculative_tokens_per_second": [100.0 * size * speedup] * 3,
+            "crossover_batch_size": 4,
+        }
+
+    record = {
+        "name": "hand-made",
+        "timestamp": "20260101T000000Z",
+        "summary": [],
+        "batch_summary": [batch_row(1, 2.0), batch_row(2, 1.2), batch_row(4, 0.8)],
+    }
+    svg = charts.draw([(charts.heading(record), record)])["chart.svg"].decode()
+    assert "greedy, γ=3: crossover at batch 4" in svg and "nothing measured" in svg
+    record["batch_summary"] = [{**row, "crossover_batch_size": None} for row in record["batch_summary"][:2]]
+    svg = charts.draw([(charts.heading(record), record)])["chart.svg"].decode()
+    assert "crossover at" not in svg and "greedy, γ=3" in svg
 
 
 def test_prompt_file_multi_turn_counts_both_turns(same_config, prompt_file):
@@ -252,17 +306,36 @@ def test_compare_two_records(tmp_path):
         "mean_accepted_length"
     ]
     assert length_b < 4
-    code, out, err = run_cli("--compare", str(a), str(b / "record.json"), "--json")
+    code, out, err = run_cli(str(a), str(b / "record.json"), "--json", command="compare")
     assert code == 0, err
     rows = json.loads(out)["rows"]
     assert ["greedy, γ=3", "mean accepted length", "4.000", f"{length_b:.3f}", f"{length_b / 4:.2f}×"] in rows
+    [folder] = (tmp_path / "runs").glob("*-compare-tiny-same-vs-tiny-ngram")
+    assert json.loads((folder / "record.json").read_text())["rows"] == rows
+    assert_charts(folder, "A: tiny-same", "B: tiny-ngram", "greedy, γ=3")
+    assert "| greedy, γ=3 | mean accepted length | 4.000 |" in (folder / "report.md").read_text()
     code, out, err = run_cli(
         "-c", str(configs[0]), "--category", "qa", "--temperatures", "0", "--warmup", "0", "--gamma", "1", "--json"
     )
     assert code == 0, err
     other = max((tmp_path / "runs").glob("*-benchmark-tiny-same*"))  # the second run of that config
-    code, out, err = run_cli("--compare", str(a), str(other), "--json")
+    code, out, err = run_cli(str(a), str(other), "--json", "--no-record", command="compare")
     assert code == 0 and json.loads(out)["rows"] == []  # no common (temperature, gamma)
+    assert len(list((tmp_path / "runs").glob("*-compare-*"))) == 1  # --no-record: no second folder, no chart
+
+
+def test_the_old_compare_spelling_names_the_new_command(tmp_path):
+    code, out, err = run_cli("--compare", str(tmp_path), str(tmp_path))
+    assert code == EXIT_BAD_INPUT and out == ""
+    assert err == "Error: benchmark --compare is a command of its own now: use 'specdec compare A B'\n"
+
+
+def test_compare_refuses_what_is_not_a_benchmark_record(tmp_path):
+    code, _, err = run_cli(str(tmp_path / "missing"), str(tmp_path), command="compare")
+    assert code == EXIT_BAD_INPUT and err.startswith("Error: cannot read benchmark record") and err.count("\n") == 1
+    (tmp_path / "record.json").write_text('{"command": "generate"}')
+    code, _, err = run_cli(str(tmp_path), str(tmp_path), command="compare")
+    assert code == EXIT_BAD_INPUT and err == f"Error: {tmp_path / 'record.json'} is not a benchmark record\n"
 
 
 def test_the_verification_rule_is_named_in_titles_records_and_comparisons(tmp_path):

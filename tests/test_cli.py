@@ -220,11 +220,17 @@ def test_usage_errors_are_one_line_from_the_real_entry_point(args):
     assert len(lines) == 1 and lines[0].startswith("Error: "), done.stderr
 
 
-def test_the_command_line_starts_without_torch_or_transformers():
-    """--help, argument checks and --compare must not pay for loading torch and transformers."""
-    code = "import sys, specdec_cli.cli; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert done.stdout.strip() == "[]"
+@pytest.mark.parametrize("args", [["--help"], ["benchmark", "--help"], ["compare", "--help"]])
+def test_the_command_line_starts_without_torch_transformers_or_matplotlib(args):
+    """--help and argument checks must not pay for loading torch, transformers or matplotlib."""
+    code = (
+        "import sys; from specdec_cli.cli import main\n"
+        "try: main()\n"
+        "except SystemExit: pass\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'matplotlib') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True)
+    assert "Usage:" in done.stdout and done.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_records_go_where_asked_or_nowhere(write_config, tmp_path, monkeypatch):
@@ -240,3 +246,4 @@ def test_records_go_where_asked_or_nowhere(write_config, tmp_path, monkeypatch):
     assert run.exit_code == 0, run.output
     assert "Not recorded (--no-record)." in run.stderr
     assert sorted(tmp_path.rglob("record.json")) == before and not list(tmp_path.rglob("report.md"))
+    assert not list(tmp_path.rglob("chart.*"))

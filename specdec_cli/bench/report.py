@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from rich.table import Table
 
-from specdec_cli import display, records
 from specdec_cli.display import environment_caption, fmt
-from specdec_cli.errors import SpecdecError
 
 OVERALL = "overall"  # the group of all prompts, beside each category
 
@@ -64,7 +60,7 @@ def drafting_label(gamma: int, tree: str | None) -> str:
     return f"tree {tree}" if tree else f"γ={gamma}"
 
 
-def _mode(row: dict) -> str:
+def mode_label(row: dict) -> str:
     return f"{temperature_label(row['temperature'])}, {drafting_label(row['gamma'], row.get('tree'))}"
 
 
@@ -142,7 +138,7 @@ def detail_report(summary: list[dict], rule: str) -> Report:
         ),
     ]
     rows = [[name] + [cell(r) for r in overall] for name, cell in metrics]
-    return Report(f"Overall, {rule}", ["metric"] + [_mode(r) for r in overall], rows, LEVIATHAN)
+    return Report(f"Overall, {rule}", ["metric"] + [mode_label(r) for r in overall], rows, LEVIATHAN)
 
 
 def peer_report(peers: list[dict], caption: str) -> Report:
@@ -220,7 +216,7 @@ def batch_report(rows: list[dict], rule: str) -> Report:
     table = [
         [
             str(r["batch_size"]),
-            _mode(r),
+            mode_label(r),
             spread(r["baseline_tokens_per_second"]),
             spread(r["speculative_tokens_per_second"]),
             spread(r["speculative_tokens_per_second_per_sequence"]),
@@ -263,8 +259,8 @@ def compare_report(a: dict, b: dict, names: tuple[str, str]) -> Report:
 
     rows = []
     for index, fields, label in (
-        (overall, COMPARED + [("acceptance rate", "acceptance_rate")], _mode),
-        (batches, COMPARED, lambda r: f"batch {r['batch_size']}, {_mode(r)}"),
+        (overall, COMPARED + [("acceptance rate", "acceptance_rate")], mode_label),
+        (batches, COMPARED, lambda r: f"batch {r['batch_size']}, {mode_label(r)}"),
     ):
         rows_b = index(b)
         for key, ra in index(a).items():
@@ -312,7 +308,15 @@ def markdown(report: Report) -> str:
     return "\n".join(lines + (["", report.caption] if report.caption else []) + [""])
 
 
-def markdown_document(record: dict, reports: list[Report]) -> str:
+def chart_links(charts: list[str]) -> list[str]:
+    """Markdown showing the PNG chart and linking every chart file (none: no lines)."""
+    if not charts:
+        return []
+    return [f"![charts]({charts[0]})", "", "Charts: " + ", ".join(f"[{name}]({name})" for name in charts), ""]
+
+
+def markdown_document(record: dict, reports: list[Report], charts: list[str]) -> str:
+    """The benchmark's report.md: its tables, below the chart files `charts` (written beside it)."""
     partial = " (partial: interrupted)" if record["partial"] else ""
     head = [
         f"# specdec benchmark: {record['name']}{partial}",
@@ -321,29 +325,6 @@ def markdown_document(record: dict, reports: list[Report]) -> str:
         "",
         f"Settings: {record['settings']}",
         "",
+        *chart_links(charts),
     ]
     return "\n".join(head) + "\n" + "\n".join(markdown(r) for r in reports)
-
-
-def load_record(path: Path) -> dict:
-    """A benchmark record.json, or the run folder holding one."""
-    file = path / "record.json" if path.is_dir() else path
-    try:
-        record = json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise SpecdecError(f"cannot read benchmark record {file}: {exc}") from None
-    if record.get("command") != "benchmark":
-        raise SpecdecError(f"{file} is not a benchmark record")
-    return record
-
-
-def compare(a: Path, b: Path, as_json: bool) -> None:
-    table = compare_report(load_record(a), load_record(b), (f"A: {a}", f"B: {b}"))
-    if as_json:
-        print(
-            records.dumps(
-                {"command": "benchmark-compare", "a": str(a), "b": str(b), "header": table.header, "rows": table.rows}
-            )
-        )
-    else:
-        display.stdout.print(rich_table(table))

@@ -1,4 +1,4 @@
-"""Aggregation: pure functions of a benchmark record's runs, so --compare and tests can use them too.
+"""Aggregation: pure functions of a benchmark record's runs, so `compare` and tests can use them too.
 Speedup is Spec-Bench's: mean speculative decode tok/s over prompts / mean target-only decode tok/s."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 
 from specdec_cli.bench.plan import HF, SPECDEC
-from specdec_cli.bench.report import OVERALL, drafting_label, drafting_order, temperature_label
+from specdec_cli.bench.report import OVERALL, drafting_order, mode_label
 from specdec_cli.decoding.metrics import (
     StepRecord,
     acceptance_by_position,
@@ -177,7 +177,7 @@ def gate_failures(summary: list[dict], min_speedup: float | None, min_accept_len
     """Overall rows that miss a gate, as readable lines; every (temperature, gamma or tree) must pass."""
     failures = []
     for row in (r for r in summary if r["group"] == OVERALL):
-        mode = f"{temperature_label(row['temperature'])}, {drafting_label(row['gamma'], row.get('tree'))}"
+        mode = mode_label(row)
         measured = row["speedup"][0]
         if min_speedup is not None and measured < min_speedup:
             failures.append(f"speedup {measured:.2f} < {min_speedup:g} ({mode})")

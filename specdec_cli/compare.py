@@ -1,0 +1,52 @@
+"""`specdec compare`: two benchmark records side by side, as a table and as charts; runs nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from specdec_cli import display, records
+from specdec_cli.bench import charts
+from specdec_cli.bench.report import chart_links, compare_report, markdown, rich_table
+from specdec_cli.errors import SpecdecError
+
+
+def load_record(path: Path) -> dict:
+    """A benchmark record.json, or the run folder holding one."""
+    file = path / "record.json" if path.is_dir() else path
+    try:
+        record = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SpecdecError(f"cannot read benchmark record {file}: {exc}") from None
+    if record.get("command") != "benchmark":
+        raise SpecdecError(f"{file} is not a benchmark record")
+    return record
+
+
+def compare(a: Path, b: Path, as_json: bool) -> None:
+    """Print the table of A and B and write it, with both records' charts side by side, to a run folder
+    runs/<time>-compare-<A's name>-vs-<B's name>/."""
+    record_a, record_b = load_record(a), load_record(b)
+    table = compare_report(record_a, record_b, (f"A: {a}", f"B: {b}"))
+    record = {
+        "command": "compare",
+        "timestamp": records.timestamp(),
+        "a": str(a),
+        "b": str(b),
+        "header": table.header,
+        "rows": table.rows,
+    }
+    files = (
+        charts.draw([(f"A: {charts.heading(record_a)}", record_a), (f"B: {charts.heading(record_b)}", record_b)])
+        if records.recording
+        else {}
+    )
+    report = "\n".join(["# specdec compare", "", *chart_links(list(files)), markdown(table)])
+    written = records.write_record(
+        "compare", f"{record_a['name']}-vs-{record_b['name']}", record, {"report.md": report, **files}
+    )
+    if as_json:
+        print(records.dumps(record))
+    else:
+        display.stdout.print(rich_table(table))
+    display.stderr.print(written)
