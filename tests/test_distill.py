@@ -19,24 +19,23 @@ import yaml
 from conftest import DISTILL_PROMPTS as PROMPTS
 from typer.testing import CliRunner
 
-from specdec_cli import distill, verify
+from specdec_cli import verify
 from specdec_cli.cli import app
 from specdec_cli.config import load_config
 from specdec_cli.decoding.params import SamplingParams
-from specdec_cli.distill import (
+from specdec_cli.distill import DistillSettings
+from specdec_cli.distill.batches import Batch
+from specdec_cli.distill.corpus import (
     ANSWERS,
-    Batch,
-    DistillSettings,
     add_target_features,
     build_corpus,
-    draft_log_probs,
     label_answers,
     read_answers,
     sequence_length,
-    split_heldout,
     target_states,
     write_answers,
 )
+from specdec_cli.distill.train import draft_log_probs, split_heldout
 from specdec_cli.errors import EXIT_BAD_INPUT
 from specdec_cli.models.checkpoints import load_model
 from specdec_cli.models.feature_draft import DRAFT_INFO, feature_inputs, init_draft, read_target
@@ -345,7 +344,7 @@ def test_flags_override_the_yaml_only_when_given(write_config):
 def test_kept_target_states_extend_with_the_corpus(tiny_target, tmp_path, monkeypatch):
     """A retrain with more synthetic prompts keeps the states of the answers it has and runs the
     target only on the shards that changed; each answer gets the states of its own tokens."""
-    monkeypatch.setattr(distill, "SHARD", 2)  # 5 answers: shards of 2, 2 and 1
+    monkeypatch.setattr("specdec_cli.distill.corpus.SHARD", 2)  # 5 answers: shards of 2, 2 and 1
     torch.manual_seed(0)
     vocab = tiny_target.config.vocab_size
     corpus = [

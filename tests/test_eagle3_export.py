@@ -22,6 +22,8 @@ from specdec_cli.cli import app
 from specdec_cli.config import TinyModel, load_config
 from specdec_cli.decoding.cache import CachedModel
 from specdec_cli.decoding.params import SamplingParams
+from specdec_cli.distill.corpus import add_target_features, build_corpus
+from specdec_cli.distill.train import evaluate
 from specdec_cli.drafters.feature import FeatureDrafter
 from specdec_cli.errors import EXIT_BAD_INPUT
 from specdec_cli.models.checkpoints import build_tiny, byte_tokenizer
@@ -137,12 +139,12 @@ def test_held_out_expected_acceptance_is_what_drafting_accepts(exported, tmp_pat
     # the target's whole distribution kept (top_k = the vocabulary): the figure is then exact
     settings = distillation.DistillSettings(answers_per_prompt=1, synthetic_prompts=0, answer_tokens=16, top_k=VOCAB)
     torch.manual_seed(0)
-    corpus = distillation.build_corpus(target, tokenizer, PROMPTS[:3], settings, tmp_path)
-    distillation.add_target_features(target, corpus, pad, tmp_path, taps)
+    corpus = build_corpus(target, tokenizer, PROMPTS[:3], settings, tmp_path)
+    add_target_features(target, corpus, pad, tmp_path, taps)
     draft = copy.deepcopy(exported.draft)
     to_subset = torch.full((VOCAB,), -1)
     to_subset[draft.lm_head.token_ids] = torch.arange(DRAFT_VOCAB)
-    [measured] = distillation.evaluate(draft, corpus, pad, to_subset, None, 1)["expected_acceptance"]
+    [measured] = evaluate(draft, corpus, pad, to_subset, None, 1)["expected_acceptance"]
 
     engine, drafter = CachedModel(target, VOCAB, taps), FeatureDrafter(CachedModel(draft, VOCAB))
     overlaps = []
