@@ -39,7 +39,7 @@ LAYERS = 4  # the tiny target's: EAGLE-3 reads 3 distinct inputs among layers 1 
 TARGET = {"tiny": {"seed": 0, "num_layers": LAYERS}}
 H, VOCAB, DRAFT_VOCAB = 64, 258, 96
 OPTIONS = (
-    "--vocab 96 --steps 80 --learning-rate 3e-3 --answers-per-prompt 4 --synthetic-prompts 8 "
+    "--vocab 96 --training-steps 80 --learning-rate 3e-3 --answers-per-prompt 4 --synthetic-prompts 8 "
     "--answer-tokens 32 --eval-every 80 --dtype float32"
 ).split()
 
@@ -198,7 +198,7 @@ def generate_json(*args: str) -> dict:
 
 
 def test_greedy_output_is_the_targets(exported):
-    outputs = [generate_json("-c", str(exported.pair_config), "--gamma", gamma) for gamma in ("3", "1")]
+    outputs = [generate_json("-c", str(exported.pair_config), "--num-draft-tokens", gamma) for gamma in ("3", "1")]
     alone = generate_json("-c", str(exported.target_config), "--max-new-tokens", "24", "--ignore-eos")
     assert outputs[0]["token_ids"] == outputs[1]["token_ids"] == alone["token_ids"]
     assert outputs[0]["draft"] == "eagle3 draft, reads the target's hidden states [1, 2, 3]"

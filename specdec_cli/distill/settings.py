@@ -20,14 +20,14 @@ class DistillSettings:
     init_layers: tuple[int, ...] | None = None  # target layers the draft's layers start from (None: spaced)
     zero_features: bool = False  # start as a token-only draft (the state's part of the projection 0)
     position_decay: float = 0.8  # loss weight of draft position k is decay ** k (EAGLE-3)
-    draft_steps: int = 3  # draft positions trained: the 1st reads target states, later ones its own
+    draft_positions: int = 3  # draft positions trained: the 1st reads target states, later ones its own
     answers_per_prompt: int = 4  # sampled at temperature 1, plus one greedy answer
     synthetic_prompts: int = 2048  # prompts the target writes itself, answered once each
     answer_tokens: int = 192
     top_k: int = 32  # target probabilities kept per position
     draft_vocab: int = 8192
-    steps: int = 3000
-    batch_size: int = 8
+    training_steps: int = 3000
+    answers_per_step: int = 8
     learning_rate: float = 1e-3
     eval_every: int = 250
     heldout_prompts: float = 0.1  # of the given prompts: their answers are never trained on

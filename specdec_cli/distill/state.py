@@ -72,11 +72,11 @@ def save_state(
 
 def trained_with(settings: DistillSettings, target: PreTrainedModel, target_name: str, corpus: list[dict]) -> dict:
     """What shapes a training state (the draft's weights, the optimizer, the answers and their order):
-    a run resumes it only with the same. `steps` may change (the schedule goes on from the step
+    a run resumes it only with the same. `training_steps` may change (the schedule goes on from the step
     reached towards the new end), and so may `eval_every`."""
     answers = json.dumps([(a["prompt"], a["answer"]) for a in corpus]).encode()
     return {
-        **{key: value for key, value in vars(settings).items() if key not in ("steps", "eval_every")},
+        **{key: value for key, value in vars(settings).items() if key not in ("training_steps", "eval_every")},
         # as resolved: by default they depend on the target
         "target_layers": list(read_layers(settings, target)),
         "init_layers": starting_layers(target.config, settings.num_layers, settings.init_layers),

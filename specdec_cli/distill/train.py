@@ -71,10 +71,10 @@ def train(
     autocast = target.dtype if target.dtype != torch.float32 else None
     trainable = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=settings.learning_rate, weight_decay=0.0)
-    warmup = max(1, settings.steps // 20)
+    total = settings.training_steps
+    warmup = max(1, total // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: min(1, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, settings.steps) / settings.steps)),
+        optimizer, lambda s: min(1, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))
     )
     log: list[dict] = []
     step = 0
@@ -85,7 +85,9 @@ def train(
 
     def evaluation(**extra) -> None:
         draft.eval()
-        log.append({"step": step, **extra, **evaluate(draft, heldout, pad, to_subset, autocast, settings.draft_steps)})
+        log.append(
+            {"step": step, **extra, **evaluate(draft, heldout, pad, to_subset, autocast, settings.draft_positions)}
+        )
         draft.train()
         display.stderr.print(format_eval(log[-1]))
 
@@ -101,14 +103,14 @@ def train(
     def checkpoint() -> None:
         save_state(path, shaped_by, draft, optimizer, schedule, step, log)
 
-    stream = batches(training, settings.batch_size, settings.seed, step)
+    stream = batches(training, settings.answers_per_step, settings.seed, step)
     draft.train()
     with display.progress() as bar:
-        task = bar.add_task("Training the draft", total=settings.steps, completed=step)
+        task = bar.add_task("Training the draft", total=total, completed=step)
         try:
-            while step < settings.steps:
+            while step < total:
                 batch = make_batch(next(stream), pad, to_subset, draft.device)
-                log_probs = draft_log_probs(draft, batch, autocast, settings.draft_steps)
+                log_probs = draft_log_probs(draft, batch, autocast, settings.draft_positions)
                 loss = distillation_loss(log_probs, batch, settings.position_decay)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
@@ -117,7 +119,7 @@ def train(
                 schedule.step()
                 step += 1
                 bar.update(task, completed=step, description=f"Training the draft (loss {loss.item():.3f})")
-                if step % settings.eval_every == 0 or step == settings.steps:
+                if step % settings.eval_every == 0 or step == total:
                     evaluation(loss=loss.item())
                     checkpoint()
         except KeyboardInterrupt:
