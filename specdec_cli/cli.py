@@ -21,11 +21,12 @@ from specdec_cli.options import (
     ConfigOpt,
     DeviceOpt,
     DtypeOpt,
-    GammaOpt,
     IgnoreEosOpt,
     JsonOpt,
     MaxNewOpt,
+    NumDraftTokensOpt,
     RecordOpt,
+    RefusesRenamedFlags,
     RunsDirOpt,
     SeedOpt,
     TemperatureOpt,
@@ -41,6 +42,7 @@ from specdec_cli.options import (
 
 app = typer.Typer(
     name="specdec",
+    cls=RefusesRenamedFlags,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -89,14 +91,14 @@ def generate(
             "batches; their answers are printed after each other."
         ),
     ] = None,
-    batch_size: Annotated[int, typer.Option(min=1, help="Prompts decoded together (with --prompts).")] = 1,
+    batch_size: Annotated[int, typer.Option(min=1, help="Rows decoded together: prompts of --prompts per batch.")] = 1,
     config: ConfigOpt = None,
     raw: Annotated[bool, typer.Option("--raw", help="Do not apply the chat template.")] = False,
     temperature: TemperatureOpt = None,
     top_k: TopKOpt = None,
     top_p: TopPOpt = None,
     seed: SeedOpt = None,
-    num_draft_tokens: GammaOpt = None,
+    num_draft_tokens: NumDraftTokensOpt = None,
     confidence_threshold: ConfidenceOpt = None,
     verification: VerificationOpt = None,
     tree: TreeOpt = None,
@@ -148,7 +150,7 @@ def generate(
 @app.command(
     epilog="""Examples:\n
   specdec benchmark\n
-  specdec benchmark -c tiny-random --gamma 1,2,4 --temperatures 0,0.7 --repeats 3\n
+  specdec benchmark -c tiny-random --num-draft-tokens-list 1,2,4 --temperatures 0,0.7 --repeats 3\n
   specdec benchmark --prompts question.jsonl --category qa --limit 5 --peer hf\n
   specdec benchmark --min-speedup 1.2 --min-accept-length 2 --json > result.json\n
   specdec benchmark --batch-sizes 1,2,4,8 --max-new-tokens 64\n
@@ -167,8 +169,9 @@ def benchmark(
     ] = None,
     category: Annotated[Optional[str], typer.Option(help="Only prompts of this category.")] = None,
     limit: Annotated[Optional[int], typer.Option(help="At most this many prompts per category.")] = None,
-    gamma: Annotated[
-        Optional[str], typer.Option("--gamma", "-g", help="Draft lengths to sweep, e.g. 1,2,4 (default: the config's).")
+    num_draft_tokens_list: Annotated[
+        Optional[str],
+        typer.Option(help="Draft tokens per target forward to sweep, e.g. 1,2,4 (default: the config's)."),
     ] = None,
     temperatures: Annotated[
         Optional[str],
@@ -236,7 +239,7 @@ def benchmark(
     )
     plan = make_plan(
         cfg,
-        parse_list(gamma, int, "--gamma"),
+        parse_list(num_draft_tokens_list, int, "--num-draft-tokens-list"),
         parse_list(temperatures, float, "--temperatures"),
         repeats,
         warmup,
@@ -297,14 +300,14 @@ def verify_distribution(
     ] = 0.01,
     batch_size: Annotated[
         int,
-        typer.Option(min=1, help="Generate the speculative runs as rows of batches of this many (copies of a prompt)."),
+        typer.Option(min=1, help="Rows decoded together: speculative runs (copies of a prompt) per batch."),
     ] = 1,
     config: ConfigOpt = None,
     temperature: TemperatureOpt = None,
     top_k: TopKOpt = None,
     top_p: TopPOpt = None,
     seed: SeedOpt = None,
-    num_draft_tokens: GammaOpt = None,
+    num_draft_tokens: NumDraftTokensOpt = None,
     confidence_threshold: ConfidenceOpt = None,
     verification: VerificationOpt = None,
     tree: TreeOpt = None,
@@ -347,7 +350,7 @@ def verify_distribution(
 @app.command(
     epilog="""Examples:\n
   specdec distill --out drafts/my-draft\n
-  specdec distill -c configs/my-target.yaml --out drafts/x --prompts prompts.txt --steps 500 --layers 2\n
+  specdec distill -c configs/my-target.yaml --out drafts/x --prompts prompts.txt --training-steps 500 --layers 2\n
   specdec distill --out drafts/y --target-layers=-1 --keep-work   # read only the target's last state\n
   specdec distill --out drafts/eagle3 --format eagle3\n
   specdec distill --out drafts/z --answers drafts/my-draft/corpus.jsonl.gz --layers 2   # reuse a corpus"""
@@ -398,7 +401,7 @@ def distill(
     position_decay: Annotated[
         float, typer.Option(min=0.0, help="Loss weight of draft position k is DECAY**k (later tokens count less).")
     ] = 0.8,
-    draft_steps: Annotated[
+    draft_positions: Annotated[
         int,
         typer.Option(
             min=1, help="Draft positions trained: the 1st reads the target's states, later ones the draft's own."
@@ -412,8 +415,8 @@ def distill(
             "target probability in the corpus); the rest it never proposes.",
         ),
     ] = 8192,
-    steps: Annotated[int, typer.Option(min=1, help="Training steps.")] = 3000,
-    batch_size: Annotated[int, typer.Option(min=1, help="Answers per step.")] = 8,
+    training_steps: Annotated[int, typer.Option(min=1, help="Training steps.")] = 3000,
+    answers_per_step: Annotated[int, typer.Option(min=1, help="Answers per training step.")] = 8,
     learning_rate: Annotated[float, typer.Option(min=0.0, help="AdamW peak learning rate.")] = 1e-3,
     answers_per_prompt: Annotated[
         int, typer.Option(min=0, help="Target answers sampled at temperature 1 per prompt, besides one greedy answer.")
@@ -471,13 +474,13 @@ def distill(
         init_layers=tuple(parse_list(init_layers, int, "--init-layers") or ()) or None,
         zero_features=zero_features,
         position_decay=position_decay,
-        draft_steps=draft_steps,
+        draft_positions=draft_positions,
         draft_vocab=vocab,
         answers_per_prompt=answers_per_prompt,
         synthetic_prompts=synthetic_prompts,
         answer_tokens=answer_tokens,
-        steps=steps,
-        batch_size=batch_size,
+        training_steps=training_steps,
+        answers_per_step=answers_per_step,
         learning_rate=learning_rate,
         eval_every=eval_every,
         seed=cfg.sampling.seed,

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from typer.core import TyperGroup
 
 from specdec_cli import records
 from specdec_cli.config import DEFAULT_CONFIG, Config, apply_overrides, load_config, parse_tree
-from specdec_cli.errors import SpecdecError, out_of_memory, read_text
+from specdec_cli.errors import EXIT_BAD_INPUT, SpecdecError, out_of_memory, read_text
 
 EXIT_INTERRUPTED = 130
 
@@ -27,9 +29,7 @@ TemperatureOpt = Annotated[Optional[float], typer.Option(help="Sampling temperat
 TopKOpt = Annotated[Optional[int], typer.Option(help="Keep the k most likely tokens; 0 disables.")]
 TopPOpt = Annotated[Optional[float], typer.Option(help="Nucleus mass in (0, 1]; 1 disables.")]
 SeedOpt = Annotated[Optional[int], typer.Option(help="Random seed (same seed, same tokens).")]
-GammaOpt = Annotated[
-    Optional[int], typer.Option("--num-draft-tokens", "--gamma", "-g", help="Draft tokens per target forward.")
-]
+NumDraftTokensOpt = Annotated[Optional[int], typer.Option(help="Draft tokens per target forward (a chain).")]
 ConfidenceOpt = Annotated[
     Optional[float],
     typer.Option(help="A draft model stops drafting a block at a token it gives less probability than this; 0 never."),
@@ -63,6 +63,33 @@ RunsDirOpt = Annotated[
 RecordOpt = Annotated[bool, typer.Option("--record/--no-record", help="Write the run's record (and report).")]
 
 
+# Flags that were renamed, per command: the old spelling is refused with the new one named.
+RENAMED = {
+    "generate": {"--gamma": "--num-draft-tokens", "-g": "--num-draft-tokens"},
+    "verify-distribution": {"--gamma": "--num-draft-tokens", "-g": "--num-draft-tokens"},
+    "benchmark": {"--gamma": "--num-draft-tokens-list", "-g": "--num-draft-tokens-list"},
+    "distill": {
+        "--steps": "--training-steps",
+        "--draft-steps": "--draft-positions",
+        "--batch-size": "--answers-per-step",
+    },
+}
+
+
+class RefusesRenamedFlags(TyperGroup):
+    """The command group, which refuses a renamed flag's old spelling before the command parses it."""
+
+    def resolve_command(self, ctx, args):
+        name, command, rest = super().resolve_command(ctx, args)
+        renamed = RENAMED.get(name, {})
+        for arg in itertools.takewhile(lambda a: a != "--", rest):
+            old = arg.split("=", 1)[0]
+            if old in renamed:
+                print(f"Error: {old} is now {renamed[old]}", file=sys.stderr)
+                raise typer.Exit(EXIT_BAD_INPUT)
+        return name, command, rest
+
+
 def reports_errors(command):
     """Known failures become one `Error: ...` line on stderr and their exit code; set SPECDEC_DEBUG=1
     for the traceback. Ctrl-C exits with 130."""
@@ -92,7 +119,7 @@ def configure(
     config: str | None, runs_dir: Path | None = None, record: bool = True, tree: str | None = None, **overrides
 ) -> Config:
     """Load the YAML and apply flags given as section__key=value (None: not given); say where the
-    run's record goes. `tree`: --tree's text. --gamma asks for a chain and --tree for a tree, over
+    run's record goes. `tree`: --tree's text. --num-draft-tokens asks for a chain and --tree for a tree, over
     whichever the YAML has."""
     records.configure(runs_dir, record)
     cfg = load_config(config)

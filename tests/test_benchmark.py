@@ -185,7 +185,7 @@ def test_identical_draft_accepts_everything_end_to_end(same_config, tmp_path):
     code, out, err = run_cli(
         "-c",
         str(same_config),
-        "--gamma",
+        "--num-draft-tokens-list",
         "1,3",
         "--temperatures",
         "0,1",
@@ -282,9 +282,9 @@ def test_malformed_prompt_file_is_a_clear_error(same_config, tmp_path):
     assert "bad.jsonl:2: malformed JSON" in err
 
 
-def test_bad_gamma_list_is_a_clear_error(same_config):
-    code, _, err = run_cli("-c", str(same_config), "--gamma", "1,two")
-    assert code == EXIT_BAD_INPUT and "--gamma" in err
+def test_bad_draft_token_list_is_a_clear_error(same_config):
+    code, _, err = run_cli("-c", str(same_config), "--num-draft-tokens-list", "1,two")
+    assert code == EXIT_BAD_INPUT and "--num-draft-tokens-list" in err
 
 
 def test_unreachable_accept_length_gate_exits_4(same_config):
@@ -314,9 +314,8 @@ def test_compare_two_records(tmp_path):
     assert json.loads((folder / "record.json").read_text())["rows"] == rows
     assert_charts(folder, "A: tiny-same", "B: tiny-ngram", "greedy, γ=3")
     assert "| greedy, γ=3 | mean accepted length | 4.000 |" in (folder / "report.md").read_text()
-    code, out, err = run_cli(
-        "-c", str(configs[0]), "--category", "qa", "--temperatures", "0", "--warmup", "0", "--gamma", "1", "--json"
-    )
+    options = ["--category", "qa", "--temperatures", "0", "--warmup", "0", "--num-draft-tokens-list", "1", "--json"]
+    code, out, err = run_cli("-c", str(configs[0]), *options)
     assert code == 0, err
     other = max((tmp_path / "runs").glob("*-benchmark-tiny-same*"))  # the second run of that config
     code, out, err = run_cli(str(a), str(other), "--json", "--no-record", command="compare")

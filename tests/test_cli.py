@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import typer.main
 from typer.testing import CliRunner
 
 from specdec_cli.cli import app
@@ -64,7 +65,7 @@ def test_flags_override_yaml_including_zero_and_false(write_config):
         "--max-new-tokens",
         "8",
         "--stop-at-eos",
-        "--gamma",
+        "--num-draft-tokens",
         "2",
     )
     assert record["config"]["sampling"] == {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
@@ -79,7 +80,7 @@ def test_greedy_cli_output_equals_target_alone(write_config):
         write_config({"draft": {"tiny": {"seed": 0}}, "generation": {"ignore_eos": True}}),
         "--max-new-tokens",
         "12",
-        "--gamma",
+        "--num-draft-tokens",
         "3",
     )
     assert same["stats"]["mean_accepted_length"] == 4.0
@@ -155,7 +156,7 @@ def test_config_errors(write_config, changes, fragments):
         (["--temperature", "nan"], ["temperature must be a finite number >= 0"]),
         (["--temperature", "inf"], ["temperature must be a finite number >= 0"]),
         (["--top-p", "2"], ["top_p must be in (0, 1]"]),
-        (["--gamma", "0"], ["num_draft_tokens must be between 1 and 256"]),
+        (["--num-draft-tokens", "0"], ["num_draft_tokens must be between 1 and 256"]),
         (["--confidence-threshold", "-0.1"], ["confidence_threshold must be in [0, 1)"]),
         (["--verification", "Block"], ["verification must be token or block, got 'Block'"]),
     ],
@@ -231,6 +232,33 @@ def test_the_command_line_starts_without_torch_transformers_or_matplotlib(args):
     )
     done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True)
     assert "Usage:" in done.stdout and done.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize(
+    "command, old, new",
+    [
+        ("generate", "--gamma", "--num-draft-tokens"),
+        ("generate", "-g", "--num-draft-tokens"),
+        ("verify-distribution", "--gamma", "--num-draft-tokens"),
+        ("verify-distribution", "-g", "--num-draft-tokens"),
+        ("benchmark", "--gamma", "--num-draft-tokens-list"),
+        ("benchmark", "-g", "--num-draft-tokens-list"),
+        ("distill", "--steps", "--training-steps"),
+        ("distill", "--draft-steps", "--draft-positions"),
+        ("distill", "--batch-size", "--answers-per-step"),
+    ],
+)
+def test_renamed_flags_refuse_their_old_spelling(command, old, new):
+    """Before anything runs, in one line that names the new spelling, which the command takes."""
+    for spelling in ([old, "2"], [f"{old}=2"]):
+        assert_one_line_error(run(command, "-c", "no-such-config", *spelling), f"Error: {old} is now {new}")
+    assert new in {name for param in typer.main.get_command(app).commands[command].params for name in param.opts}
+
+
+def test_a_renamed_flag_is_refused_in_one_line_from_the_real_entry_point():
+    command = [sys.executable, "-m", "specdec_cli", "benchmark", "-c", "no-such-config", "--gamma", "1,2"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == EXIT_BAD_INPUT and done.stderr == "Error: --gamma is now --num-draft-tokens-list\n"
 
 
 def test_records_go_where_asked_or_nowhere(write_config, tmp_path, monkeypatch):

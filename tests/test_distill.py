@@ -19,24 +19,23 @@ import yaml
 from conftest import DISTILL_PROMPTS as PROMPTS
 from typer.testing import CliRunner
 
-from specdec_cli import distill, verify
+from specdec_cli import verify
 from specdec_cli.cli import app
 from specdec_cli.config import load_config
 from specdec_cli.decoding.params import SamplingParams
-from specdec_cli.distill import (
+from specdec_cli.distill import DistillSettings
+from specdec_cli.distill.batches import Batch
+from specdec_cli.distill.corpus import (
     ANSWERS,
-    Batch,
-    DistillSettings,
     add_target_features,
     build_corpus,
-    draft_log_probs,
     label_answers,
     read_answers,
     sequence_length,
-    split_heldout,
     target_states,
     write_answers,
 )
+from specdec_cli.distill.train import draft_log_probs, split_heldout
 from specdec_cli.errors import EXIT_BAD_INPUT
 from specdec_cli.models.checkpoints import load_model
 from specdec_cli.models.feature_draft import DRAFT_INFO, feature_inputs, init_draft, read_target
@@ -78,7 +77,7 @@ def distilled(tmp_path_factory):
                 "1",
                 "--vocab",
                 "96",
-                "--steps",
+                "--training-steps",
                 "80",
                 "--learning-rate",
                 "3e-3",
@@ -142,7 +141,7 @@ def test_a_draft_trains_on_a_saved_corpus(distilled, tmp_path):
     # the given prompts answered greedily, and the one batch of synthetic prompts (greedy batches first)
     assert sum(a["greedy"] for a in saved) == len(PROMPTS) + 8 and sum(a["synthetic"] for a in saved) == 8
     out = tmp_path / "again"
-    args = ["distill", "-c", str(distilled.target_config), "--out", str(out), "--vocab", "96", "--steps", "2"]
+    args = ["distill", "-c", str(distilled.target_config), "--out", str(out), "--vocab", "96", "--training-steps", "2"]
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SPECDEC_RUNS_DIR", str(tmp_path / "runs"))
         result = runner.invoke(app, [*args, "--answers", str(distilled.out / ANSWERS), "--answer-tokens", "32"])
@@ -226,7 +225,7 @@ def generate_json(*args: str) -> dict:
 
 def test_greedy_output_is_the_targets(distilled):
     pair = str(distilled.pair_config)
-    outputs = [generate_json("-c", pair, "--gamma", gamma)["token_ids"] for gamma in ("3", "1")]
+    outputs = [generate_json("-c", pair, "--num-draft-tokens", gamma)["token_ids"] for gamma in ("3", "1")]
     alone = generate_json("-c", str(distilled.target_config), "--max-new-tokens", "24", "--ignore-eos")
     assert outputs[0] == outputs[1] == alone["token_ids"]
 
@@ -345,7 +344,7 @@ def test_flags_override_the_yaml_only_when_given(write_config):
 def test_kept_target_states_extend_with_the_corpus(tiny_target, tmp_path, monkeypatch):
     """A retrain with more synthetic prompts keeps the states of the answers it has and runs the
     target only on the shards that changed; each answer gets the states of its own tokens."""
-    monkeypatch.setattr(distill, "SHARD", 2)  # 5 answers: shards of 2, 2 and 1
+    monkeypatch.setattr("specdec_cli.distill.corpus.SHARD", 2)  # 5 answers: shards of 2, 2 and 1
     torch.manual_seed(0)
     vocab = tiny_target.config.vocab_size
     corpus = [
@@ -395,7 +394,7 @@ def test_sigterm_keeps_the_training_state_and_the_run_resumes(tmp_path):
     command += ["--prompts", str(prompts), "--dtype", "float32", *settings]
     env = {**os.environ, "SPECDEC_RUNS_DIR": str(tmp_path / "runs")}
     work = out / "distill-work"
-    job = subprocess.Popen([*command, "--steps", "100000"], env=env, stderr=subprocess.PIPE, text=True)
+    job = subprocess.Popen([*command, "--training-steps", "100000"], env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not list(work.glob("target-features-*.pt")) and job.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -406,7 +405,7 @@ def test_sigterm_keeps_the_training_state_and_the_run_resumes(tmp_path):
     assert "Interrupted at step" in stderr
     saved = torch.load(work / "train-state.pt", weights_only=True)["step"]
     assert saved > 0 and not list(work.glob("*.partial"))
-    resumed = subprocess.run([*command, "--steps", str(saved + 2)], env=env, capture_output=True, text=True)
+    resumed = subprocess.run([*command, "--training-steps", str(saved + 2)], env=env, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads((out / DRAFT_INFO).read_text())["log"][-1]["step"] == saved + 2
 
@@ -424,7 +423,7 @@ def quick_run(tmp_path, *more: str) -> list[str]:
     ]
     answers.write_text("\n".join(lines))
     out = tmp_path / "draft"
-    options = "--vocab 96 --steps 2 --answer-tokens 16 --dtype float32 --device cpu --keep-work".split()
+    options = "--vocab 96 --training-steps 2 --answer-tokens 16 --dtype float32 --device cpu --keep-work".split()
     return ["distill", "-c", str(config), "--out", str(out), "--answers", str(answers), *options, *more]
 
 
@@ -475,14 +474,14 @@ def test_a_resume_with_other_settings_is_refused(tmp_path):
     answers.write_text(answers.read_text().replace("said one", "said three"))
     assert "corpus" in refusal(runner.invoke(app, args))
     answers.write_text(answers.read_text().replace("said three", "said one"))
-    resumed = runner.invoke(app, [*args, "--steps", "3"])  # a longer schedule is the same training
+    resumed = runner.invoke(app, [*args, "--training-steps", "3"])  # a longer schedule is the same training
     assert resumed.exit_code == 0, resumed.output
     assert torch.load(state_path, weights_only=True)["step"] == 3
     # weights are loaded strictly: a state missing one of the draft's tensors is refused
     state = torch.load(state_path, weights_only=True)
     state["draft"].pop(next(iter(state["draft"])))
     torch.save(state, state_path)
-    assert "does not fit" in refusal(runner.invoke(app, [*args, "--steps", "4"]))
+    assert "does not fit" in refusal(runner.invoke(app, [*args, "--training-steps", "4"]))
 
 
 def test_only_answers_to_given_prompts_are_held_out():

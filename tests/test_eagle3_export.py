@@ -22,6 +22,8 @@ from specdec_cli.cli import app
 from specdec_cli.config import TinyModel, load_config
 from specdec_cli.decoding.cache import CachedModel
 from specdec_cli.decoding.params import SamplingParams
+from specdec_cli.distill.corpus import add_target_features, build_corpus
+from specdec_cli.distill.train import evaluate
 from specdec_cli.drafters.feature import FeatureDrafter
 from specdec_cli.errors import EXIT_BAD_INPUT
 from specdec_cli.models.checkpoints import build_tiny, byte_tokenizer
@@ -37,7 +39,7 @@ LAYERS = 4  # the tiny target's: EAGLE-3 reads 3 distinct inputs among layers 1 
 TARGET = {"tiny": {"seed": 0, "num_layers": LAYERS}}
 H, VOCAB, DRAFT_VOCAB = 64, 258, 96
 OPTIONS = (
-    "--vocab 96 --steps 80 --learning-rate 3e-3 --answers-per-prompt 4 --synthetic-prompts 8 "
+    "--vocab 96 --training-steps 80 --learning-rate 3e-3 --answers-per-prompt 4 --synthetic-prompts 8 "
     "--answer-tokens 32 --eval-every 80 --dtype float32"
 ).split()
 
@@ -137,12 +139,12 @@ def test_held_out_expected_acceptance_is_what_drafting_accepts(exported, tmp_pat
     # the target's whole distribution kept (top_k = the vocabulary): the figure is then exact
     settings = distillation.DistillSettings(answers_per_prompt=1, synthetic_prompts=0, answer_tokens=16, top_k=VOCAB)
     torch.manual_seed(0)
-    corpus = distillation.build_corpus(target, tokenizer, PROMPTS[:3], settings, tmp_path)
-    distillation.add_target_features(target, corpus, pad, tmp_path, taps)
+    corpus = build_corpus(target, tokenizer, PROMPTS[:3], settings, tmp_path)
+    add_target_features(target, corpus, pad, tmp_path, taps)
     draft = copy.deepcopy(exported.draft)
     to_subset = torch.full((VOCAB,), -1)
     to_subset[draft.lm_head.token_ids] = torch.arange(DRAFT_VOCAB)
-    [measured] = distillation.evaluate(draft, corpus, pad, to_subset, None, 1)["expected_acceptance"]
+    [measured] = evaluate(draft, corpus, pad, to_subset, None, 1)["expected_acceptance"]
 
     engine, drafter = CachedModel(target, VOCAB, taps), FeatureDrafter(CachedModel(draft, VOCAB))
     overlaps = []
@@ -196,7 +198,7 @@ def generate_json(*args: str) -> dict:
 
 
 def test_greedy_output_is_the_targets(exported):
-    outputs = [generate_json("-c", str(exported.pair_config), "--gamma", gamma) for gamma in ("3", "1")]
+    outputs = [generate_json("-c", str(exported.pair_config), "--num-draft-tokens", gamma) for gamma in ("3", "1")]
     alone = generate_json("-c", str(exported.target_config), "--max-new-tokens", "24", "--ignore-eos")
     assert outputs[0]["token_ids"] == outputs[1]["token_ids"] == alone["token_ids"]
     assert outputs[0]["draft"] == "eagle3 draft, reads the target's hidden states [1, 2, 3]"

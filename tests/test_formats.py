@@ -288,7 +288,7 @@ def test_greedy_output_is_the_targets(pair_config, tmp_path):
     alone = write_pair(tmp_path, None, "alone.yaml", draft={"ngram": {}})
     expected, _ = generate_json(alone)
     for gamma in ("1", "3"):
-        record, stderr = generate_json(config, "--gamma", gamma)
+        record, stderr = generate_json(config, "--num-draft-tokens", gamma)
         assert record["token_ids"] == expected["token_ids"]
         layers = "last hidden state" if kind == "eagle" else "hidden states [2, 4, 5]"
         assert record["draft"] == f"{kind} draft, reads the target's {layers}"

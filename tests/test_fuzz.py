@@ -76,7 +76,7 @@ FLAGS = {
     "--top-k": INTS.map(str),
     "--top-p": FLOATS.map(repr),
     "--seed": INTS.map(str),
-    "--gamma": INTS.map(str),
+    "--num-draft-tokens": INTS.map(str),
     "--max-new-tokens": INTS.map(str),
     "--confidence-threshold": FLOATS.map(repr),
     "--threads": st.sampled_from(["1", "2", "0", "-1", str(2**31), str(10**12)]),
@@ -320,7 +320,7 @@ FOUND = {
     ),
     "a draft length no forward verifies": (
         {},
-        ["-p", "Hi", "--gamma", str(2**70)],
+        ["-p", "Hi", "--num-draft-tokens", str(2**70)],
         f"num_draft_tokens must be between 1 and 256, got {2**70}",
     ),
     "a CUDA device that is no number": (

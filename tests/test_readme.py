@@ -101,7 +101,7 @@ def command_line_problems(text: str) -> tuple[list[str], set[str]]:
 
 
 def standalone_flag_problems(text: str) -> list[str]:
-    """Flags named on their own in prose (`--gamma`, `--ignore-eos/--stop-at-eos`): in a section
+    """Flags named on their own in prose (`--num-draft-tokens`, `--ignore-eos/--stop-at-eos`): in a section
     headed by a command, that command must take them; elsewhere, some command must."""
     anywhere = accepted(ROOT).union(*(accepted(c) for c in COMMANDS.values()))
     problems = []
@@ -224,8 +224,8 @@ def test_a_readme_naming_what_does_not_exist_fails():
     problems, named = command_line_problems("```bash\n.venv/bin/specdec compile --fast && specdec --version\n```\n")
     assert named == {"compile"} and len(problems) == 1 and problems[0].startswith("`specdec compile` is not a command")
     prose = (
-        "## Configs\n\n(flag `--gamma`)\n\n### `specdec distill`\n\n```bash\n# not a heading\n```\n\n"
-        "See `--batch-size` and `--batch-sizes`.\n"
+        "## Configs\n\n(flag `--num-draft-tokens`)\n\n### `specdec distill`\n\n```bash\n# not a heading\n```\n\n"
+        "See `--answers-per-step` and `--batch-sizes`.\n"
     )
     assert standalone_flag_problems(prose) == ["--batch-sizes is not an option (### `specdec distill`)"]
     assert standalone_flag_problems("Use `--ignore-eos/--warp-speed`.") == ["--warp-speed is not an option (top)"]

@@ -548,7 +548,7 @@ def test_verify_distribution_runs_tree_configs_and_catches_a_broken_rule(write_c
         (["--tree", "4,3"], "--tree: expected DEPTH,TOP_K,MAX_NODES"),
         (["--tree", "4,3,40"], "at most the nodes drafted"),
         (["--tree", "4,0,4"], "depth and top_k must be >= 1"),
-        (["--tree", "3,2,6", "--gamma", "2"], "give one of them"),
+        (["--tree", "3,2,6", "--num-draft-tokens", "2"], "give one of them"),
         (["--tree", "3,2,6", "--confidence-threshold", "0.2"], "confidence_threshold cuts chains"),
     ],
 )
@@ -580,7 +580,7 @@ def test_generate_names_the_tree(write_config):
 def test_benchmark_measures_chains_and_trees_side_by_side(write_config, tmp_path):
     # the draft is the target and the tree one path: greedy, every block accepts the whole depth
     config = write_config({"draft": {"tiny": {"seed": 0}}, "generation": {"max_new_tokens": 12, "ignore_eos": True}})
-    args = ["benchmark", "-c", str(config), "--gamma", "2", "--tree", "3,1,3", "--temperatures", "0,1"]
+    args = ["benchmark", "-c", str(config), "--num-draft-tokens-list", "2", "--tree", "3,1,3", "--temperatures", "0,1"]
     result = runner.invoke(app, args + ["--batch-sizes", "2", "--category", "qa", "--limit", "2", "--json"])
     assert result.exit_code == 0, result.output
     record = json.loads(result.stdout)

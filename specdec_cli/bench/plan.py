@@ -110,7 +110,7 @@ def make_plan(
     trees = trees or ([cfg.speculation.tree] if cfg.speculation.tree else [])
     temperatures = temperatures or list(dict.fromkeys([0.0, cfg.sampling.temperature or 1.0]))
     if min(gammas) < 1:
-        raise SpecdecError(f"--gamma values must be >= 1, got {gammas}")
+        raise SpecdecError(f"--num-draft-tokens-list values must be >= 1, got {gammas}")
     if not all(math.isfinite(t) and t >= 0 for t in temperatures):
         raise SpecdecError(f"--temperatures must be finite numbers >= 0 (0 is greedy), got {temperatures}")
     if repeats < 1 or warmup < 0:

@@ -1,0 +1,105 @@
+"""Train a small draft model for a target: `specdec distill`.
+
+1. Corpus: the target answers the training prompts itself, once greedily and several times sampled
+   at temperature 1, so the draft learns the text it will be asked to predict in both modes. Then it
+   writes prompts of its own (sampling the user's turn from the bare chat template, as in Magpie, Xu
+   et al. 2024) and answers each once: a few hundred hand-written prompts are too few, and a draft
+   trained on them alone learns their answers by heart instead of the target's habits. While it
+   writes, the target's own next-token distribution at every answer position is kept (its top-k);
+   one more pass keeps the hidden states the draft reads, so training never runs the target again.
+   The corpus is saved as text beside the draft; given answers (that file, or any conversations),
+   the target labels them instead of writing its own, in one forward pass each that also keeps the
+   hidden states.
+2. Draft (models/feature_draft.py): a feature draft of a few decoder layers initialised from chosen
+   (default: evenly spaced) target layers, reading chosen target hidden states (default: EAGLE-3's
+   three, fused); the target's embedding, and the target's head
+   restricted to the tokens that carry most of the target's probability mass in the corpus. With
+   `format="eagle3"` it is EAGLE-3's architecture instead (one layer reading 3 target layers, its own
+   head rows over that vocabulary), saved in the layout serving engines load (models/eagle3_draft.py).
+3. Training: cross-entropy of the draft against the target's top-k distribution (KL up to a
+   constant) at every answer position, as the 1st draft token (reading the target's states) and as
+   the 2nd, 3rd ... (reading its own for the tokens before it in the draft: `draft_log_probs`
+   attends exactly as drafting does), position k weighted decay ** k. Held-out greedy agreement (on
+   greedy answers) and expected acceptance sum(min(p, q)) at temperature 1 (on sampled answers) are
+   printed per draft token.
+
+Corpus shards, hidden states and training state live in a work folder until training ends, so an
+interrupted run resumes where it stopped (only with the settings that shaped its state: `trained_with`).
+
+corpus.py writes and labels the corpus, state.py keeps files and training state, batches.py turns the
+corpus into batches, train.py trains and evaluates; this module runs the command.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from specdec_cli import display, records
+from specdec_cli.config import Config
+from specdec_cli.distill.corpus import ANSWERS, build_corpus, label_answers, read_answers, write_answers
+from specdec_cli.distill.settings import FORMATS, DistillSettings, read_layers
+from specdec_cli.distill.state import WORK, save
+from specdec_cli.distill.train import train
+from specdec_cli.errors import SpecdecError
+from specdec_cli.models import eagle3_draft
+from specdec_cli.models.checkpoints import load_model
+from specdec_cli.models.feature_draft import check_target_layers, starting_layers
+from specdec_cli.models.pair import resolve_device, resolve_dtype
+from specdec_cli.models.tokens import padding_id
+
+__all__ = ["DistillSettings", "distill"]
+
+
+def distill(
+    cfg: Config, prompts: list[str], settings: DistillSettings, out: Path, keep_work: bool, answers: Path | None = None
+) -> None:
+    """The whole command: corpus (written by the target, or `answers` it labels), training, the saved
+    draft and its record."""
+    if cfg.runtime.threads:
+        torch.set_num_threads(cfg.runtime.threads)
+    device = resolve_device(cfg.runtime.device)
+    # the dtype the target decodes in (`auto`: float32 on CPU, bfloat16 on CUDA), so the draft learns
+    # the very labels it will be checked against
+    dtype = resolve_dtype(cfg.runtime.dtype, device)
+    with display.stderr.status(f"Loading {cfg.target.describe()}..."):
+        target, tokenizer = load_model(cfg.target, device, dtype)
+    check_target_layers(read_layers(settings, target), target.config)  # before an hour of corpus
+    if settings.format not in FORMATS:
+        raise SpecdecError(f"unknown draft format {settings.format!r} (specdec distills {', '.join(FORMATS)})")
+    if settings.format == "eagle3":
+        eagle3_draft.check_taps(read_layers(settings, target), target.config.num_hidden_layers, settings.num_layers)
+    starting_layers(target.config, settings.num_layers, settings.init_layers)
+    work = out / WORK  # corpus and training state: what a resumed run continues from
+    work.mkdir(parents=True, exist_ok=True)
+    if answers:
+        corpus = label_answers(
+            target,
+            read_answers(answers, tokenizer, settings.answer_tokens),
+            padding_id(tokenizer),
+            settings.top_k,
+            work,
+            read_layers(settings, target),
+        )
+    else:
+        corpus = build_corpus(target, tokenizer, prompts, settings, work)
+        write_answers(corpus, tokenizer, out / ANSWERS)
+    draft, log = train(target, tokenizer, corpus, settings, work, cfg.target.describe())
+    save(draft, target, tokenizer, out, cfg.target.describe(), log, settings)
+    if not keep_work:
+        shutil.rmtree(work)
+    written = records.write_record(
+        "distill",
+        cfg.name,
+        {
+            **records.header("distill", cfg),
+            "out": str(out),
+            "corpus_answers": len(corpus),
+            "corpus_answer_tokens": sum(len(a["answer"]) for a in corpus),
+            "settings": vars(settings),
+            "log": log,
+        },
+    )
+    display.stderr.print(f"Draft saved to {out}: name it as `draft: {{checkpoint: {out}}}`. {written}")

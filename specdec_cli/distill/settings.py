@@ -1,0 +1,43 @@
+"""What a distillation run is asked for, and the target layers it resolves to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PreTrainedModel
+
+from specdec_cli.models.feature_draft import eagle3_layers
+
+FORMATS = ("specdec", "eagle3")  # the draft specdec trains, or EAGLE-3's (models/eagle3_draft.py)
+
+
+@dataclass
+class DistillSettings:
+    num_layers: int = 1
+    # the target hidden states the draft reads (indices of transformers' `hidden_states`, -1 the
+    # last); None: the inputs of layers 2, L // 2 and L - 3, as EAGLE-3 reads them
+    target_layers: tuple[int, ...] | None = None
+    init_layers: tuple[int, ...] | None = None  # target layers the draft's layers start from (None: spaced)
+    zero_features: bool = False  # start as a token-only draft (the state's part of the projection 0)
+    position_decay: float = 0.8  # loss weight of draft position k is decay ** k (EAGLE-3)
+    draft_positions: int = 3  # draft positions trained: the 1st reads target states, later ones its own
+    answers_per_prompt: int = 4  # sampled at temperature 1, plus one greedy answer
+    synthetic_prompts: int = 2048  # prompts the target writes itself, answered once each
+    answer_tokens: int = 192
+    top_k: int = 32  # target probabilities kept per position
+    draft_vocab: int = 8192
+    training_steps: int = 3000
+    answers_per_step: int = 8
+    learning_rate: float = 1e-3
+    eval_every: int = 250
+    heldout_prompts: float = 0.1  # of the given prompts: their answers are never trained on
+    seed: int = 0
+    format: str = "specdec"  # or "eagle3": EAGLE-3's architecture, saved in its layout
+
+
+def read_layers(settings: DistillSettings, target: PreTrainedModel) -> tuple[int, ...]:
+    """The target states the draft reads: the settings', or the inputs of layers 2, L // 2 and L - 3
+    (EAGLE-3's choice: low, middle and high; all of them on a target of 3 layers or fewer)."""
+    count = target.config.num_hidden_layers
+    default = eagle3_layers(count) if count > 3 else tuple(range(count + 1))
+    return settings.target_layers or default
