@@ -94,10 +94,10 @@ class HostReads(TorchFunctionMode):
 def pair_of(tmp_path, write_config, kind: str, threshold: float = 0.0, device: str = "cpu"):
     """A pair whose drafter is `kind`, on the tiny target (8 layers: EAGLE-3's taps differ); a kind
     ending in "+tree" drafts trees."""
-    target = {"tiny": {"seed": 0, "num_layers": 2 if kind == "dflash" else 8}}  # the DFlash draft reads 2
+    base = kind.removesuffix("+lookup").removesuffix("+tree")
+    target = {"tiny": {"seed": 0, "num_layers": 2 if base == "dflash" else 8}}  # the DFlash draft reads 2
     lookup = {"lookup": {"max_n": 3, "min_n": 1, "num_draft_tokens": 4}} if kind.endswith("+lookup") else {}
     tree = {"depth": 3, "top_k": 2, "max_nodes": 6} if kind.endswith("+tree") else None
-    base = kind.removesuffix("+lookup").removesuffix("+tree")
     if base == "model":
         draft = {"tiny": {"seed": 0, "num_layers": 8, "noise": 0.01}}
     elif base == "ngram":
@@ -152,6 +152,9 @@ KINDS = [
     "feature+lookup",
     "model+tree",
     "feature+tree",
+    "medusa+tree",
+    "dflash+tree",
+    "ngram+tree",
 ]
 
 

@@ -341,9 +341,9 @@ class CheckedTree:
             fresh.reset(length)
             fresh.forward(torch.tensor([context[:length]]), logits="none")
             for ours, theirs in zip(model.cache.layers, fresh.cache.layers):
-                torch.testing.assert_close(ours.keys[row, :, :length], theirs.keys[0, :, :length], atol=1e-5, rtol=0)
+                torch.testing.assert_close(ours.keys[row, :, :length], theirs.keys[0, :, :length], atol=1e-4, rtol=0)
                 torch.testing.assert_close(
-                    ours.values[row, :, :length], theirs.values[0, :, :length], atol=1e-5, rtol=0
+                    ours.values[row, :, :length], theirs.values[0, :, :length], atol=1e-4, rtol=0
                 )
 
     def start(self, prompts, max_tokens, target_states):
@@ -558,12 +558,8 @@ def test_bad_tree_settings_are_one_error_line(write_config, args, message):
     assert result.output.strip().splitlines()[-1].startswith("Error: ") and message in result.output
 
 
-@pytest.mark.parametrize(
-    "draft",
-    [{"ngram": {"max_n": 3, "min_n": 1}}, {"tiny": {"seed": 0}, "lookup": {"max_n": 3, "min_n": 1}}],
-    ids=["ngram", "lookup"],
-)
-def test_drafters_without_trees_refuse_them(write_config, draft):
+def test_lookup_ahead_of_a_draft_refuses_trees(write_config):
+    draft = {"tiny": {"seed": 0}, "lookup": {"max_n": 3, "min_n": 1}}
     result = runner.invoke(app, ["generate", "-c", str(write_config({"draft": draft})), "-p", "abc", "--tree", "2,2,4"])
     assert result.exit_code == EXIT_BAD_INPUT
     assert "has no draft tree yet" in result.output.strip().splitlines()[-1]

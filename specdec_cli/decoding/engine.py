@@ -31,7 +31,7 @@ from specdec_cli.decoding.metrics import (
 )
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.decoding.sampling import verify_block, verify_greedy, verify_sampled, warp
-from specdec_cli.drafters.base import Drafter
+from specdec_cli.drafters.base import NOT_DRAFTED, Drafter
 
 # called after each block with the tokens it added and how many of them were accepted draft tokens
 OnTokens = Callable[[list[int], int], None]
@@ -131,7 +131,7 @@ class SpeculativeDecoder:
         verification: str = "token",  # sampled chains: "token" (verify_sampled) or "block" (verify_block)
     ):
         """`tree`: draft trees of this shape instead of chains of num_draft_tokens (the drafter must
-        have `propose_tree` and `commit_tree`, as drafters/model.py's)."""
+        have `propose_tree` and `commit_tree`)."""
         self.target = target
         self.drafter = drafter
         self.params = params
@@ -279,8 +279,8 @@ class SpeculativeDecoder:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Output, object]:
         """Draft a tree of at most `depth` (near the token limit a shallower one), verify it in one
         target forward with its root at `start`. Returns the accepted path's tokens [B, depth] (valid
-        up to num_accepted), num_accepted [B], next_token [B], the path's slots [B, depth + 1], the
-        target's output, and the clock mark after drafting."""
+        up to num_accepted; -1 past a row's deepest node), num_accepted [B], next_token [B], the path's
+        slots [B, depth + 1], the target's output, and the clock mark after drafting."""
         tree = self.drafter.propose_tree(replace(self.tree, depth=depth), self.params, generator)
         draft_end = self.clock.mark()
         region = trees.target_region(tree, start)
@@ -290,7 +290,9 @@ class SpeculativeDecoder:
         else:
             num_accepted, next_token, path = trees.verify_sampled(tree, verified.logits, self.params, generator)
         path_tokens = tree.tokens.gather(1, (path[:, 1:] - 1).clamp_min(0))
-        return path_tokens, num_accepted, next_token, path, verified, draft_end
+        # past the row's deepest node it drafted nothing (a row lookup found less for, placeholders)
+        drafted = torch.arange(path_tokens.shape[1], device=path.device) < region.depths.max(dim=1, keepdim=True).values
+        return path_tokens.masked_fill(~drafted, NOT_DRAFTED), num_accepted, next_token, path, verified, draft_end
 
     def _emit(
         self, result: GenerationResult, new_tokens: list[int], ignore_eos: bool, max_new_tokens: int

@@ -1,4 +1,5 @@
-"""Draft trees: drafting one (EAGLE-2's dynamic tree), its attention mask, and its verification.
+"""Draft trees: drafting one (EAGLE-2's dynamic tree, a static tree over per-depth distributions, a
+trie of lookup's continuations), its attention mask, and its verification.
 
 A block's tree has a root, the block's first input (the last token of the context), and n drafted
 nodes. Slots number them as the target reads them: slot 0 is the root, slot i + 1 node i. Every row
@@ -17,6 +18,7 @@ there is one; emit the target's argmax where the walk stops. Sampled: `try_child
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -38,6 +40,12 @@ class DraftTree(NamedTuple):
     def slot_parents(self) -> torch.Tensor:
         """[B, n + 1] the parent slot of every slot; the root's is -1."""
         return torch.cat([torch.full_like(self.parents[:, :1], -1), self.parents], dim=1)
+
+    def without(self, rows: torch.Tensor) -> DraftTree:
+        """The tree with the rows where `rows` [B] is True drafting nothing (every node a placeholder)."""
+        return DraftTree(
+            self.tokens.masked_fill(rows[:, None], 0), self.parents.masked_fill(rows[:, None], -1), self.depth
+        )
 
 
 def ancestry(parents: torch.Tensor, depth: int) -> torch.Tensor:
@@ -90,10 +98,12 @@ class TreeGrowth:
     candidates. The draft feeds each frontier but the last (`frontier_tokens`, `region`) in its own
     cache after the root: its fed slots are 0 the root, then top_k per depth. `select` keeps the
     max_nodes best candidates: a path's score falls along it, so they include every kept node's
-    parent (ties keep the shallower first)."""
+    parent (ties keep the shallower first). `frontier`: how many new candidates the next depth
+    expands (EAGLE-2's top_k unless given)."""
 
-    def __init__(self, shape: TreeShape, batch: int, device: torch.device):
+    def __init__(self, shape: TreeShape, batch: int, device: torch.device, frontier: int | None = None):
         self.shape = shape
+        self.frontier_size = frontier or shape.top_k
         self.device = device
         self.tokens: list[torch.Tensor] = []  # per depth [B, c]
         self.scores: list[torch.Tensor] = []  # per depth [B, c]: path log probability
@@ -117,7 +127,7 @@ class TreeGrowth:
         self.scores.append(scores)
         self.parents.append(self.frontier[..., None].expand_as(top.indices).reshape(batch, -1))
         self.fed_of.append(torch.full_like(scores, -1, dtype=torch.long))
-        best = scores.topk(min(self.shape.top_k, scores.shape[1]), dim=-1, sorted=True)
+        best = scores.topk(min(self.frontier_size, scores.shape[1]), dim=-1, sorted=True)
         self.frontier = self.count + 1 + best.indices
         self.frontier_scores = best.values
         self.count += scores.shape[1]
@@ -163,6 +173,20 @@ class TreeGrowth:
         fed_of = torch.cat(self.fed_of, dim=1)
         fed = torch.cat([fed_of[:, :1], fed_of.gather(1, chosen + 1)], dim=1)
         return DraftTree(torch.cat(self.tokens, dim=1).gather(1, chosen), parents, self.shape.depth), fed
+
+
+def static_tree(log_probs: torch.Tensor, shape: TreeShape) -> DraftTree:
+    """The static top-k tree over distributions that do not depend on the path (Medusa's heads, a
+    block draft's positions): log_probs [B, d, V]; every node at depth i (the root's is 0) has the
+    top_k tokens of log_probs[:, i] as children; the max_nodes most probable nodes (product of their
+    probabilities along the path) are kept. Grown as EAGLE-2's tree with a frontier of
+    max_nodes: a node outside the max_nodes best of its depth is not among the max_nodes best of all,
+    and neither is any node below it."""
+    depth = log_probs.shape[1]
+    growth = TreeGrowth(replace(shape, depth=depth), len(log_probs), log_probs.device, frontier=shape.max_nodes)
+    for i in range(depth):
+        growth.grow(log_probs[:, i : i + 1].expand(-1, growth.frontier.shape[1], -1))
+    return growth.select()[0]
 
 
 def draft_log_probs(logits: torch.Tensor, params: SamplingParams, subset: torch.Tensor | None = None) -> torch.Tensor:
@@ -243,6 +267,13 @@ def try_children(
     is distributed as the target's after its own path, the walk's tokens are the target's, one after
     another. Testing a later child against p (not p') under-samples it, and so does forgetting to
     renormalise p': tests/test_tree.py shows both fail the checks.
+
+    Nothing above reads q: the argument holds for any children that are distinct tokens fixed before
+    the node's uniforms are drawn. So a static tree whose distribution at a depth is not conditioned
+    on the path above (Medusa's heads, a block draft's positions) and a trie of prompt lookup's
+    matches are exact too; q decides only which children are tried, so how often one is accepted.
+    Distinct they must be: a token that is two siblings is tried twice and comes out too often
+    (tests/test_tree_drafters.py shows the checks catch it).
 
     Every row draws n uniforms per node whether or not it has n children (no host sync)."""
     mass = target_probs.gather(1, tokens).double() * children  # [B, n] p(x) of the children, 0 elsewhere

@@ -5,7 +5,8 @@ Shapes: g <= gamma draft positions, V the target's vocabulary size, H the target
 A draft id of -1 marks a position a row did not draft (prompt lookup found less for it): its q is
 all zeros, so the acceptance test rejects it, and the target's own token takes its place.
 `keep(rows)` drops the rows that finished. A drafter that can draft after prompt lookup
-(drafters/lookup.py) is a `Follower`: it also reads blocks that lookup drafted.
+(drafters/lookup.py) is a `Follower`: it also reads blocks that lookup drafted. A drafter that drafts
+trees (decoding/tree.py) also has `propose_tree` and `commit_tree`.
 """
 
 from __future__ import annotations
@@ -52,3 +53,19 @@ class Follower(Drafter, Protocol):
         and the target's token, per row) instead of a `propose`/`commit` of this one. `target_states`
         [B, >= len, H]: the target's states at the block's first input and the accepted drafts, i.e.
         at the token before each of `tokens`."""
+
+
+class PathCommit:
+    """`commit_tree` for a drafter that keeps nothing of a tree but its accepted path (no cache of
+    the nodes): after a tree it commits the path as a chain's block."""
+
+    def commit_tree(
+        self,
+        path: torch.Tensor,
+        draft_ids: Rows,
+        num_accepted: list[int],
+        next_tokens: list[int],
+        target_states: States,
+    ) -> None:
+        """path [B, depth + 1] the accepted path's tree slots; the rest as `commit`, along the path."""
+        self.commit(draft_ids, num_accepted, next_tokens, target_states)

@@ -5,22 +5,25 @@ What it holds, per row, between blocks: the K/V of every context token but the l
 the target's states once per token, in a preallocated [B, kv_heads, max_tokens, D] store per layer
 with a length per row), except the states in `pending`, not stored yet; `last` is the token the next
 block starts with. The block itself is [last token, MASK, ...] after the context; its K/V
-are never kept, so a rejected draft needs no rollback.
+are never kept, so a rejected draft needs no rollback. A tree is the static top-k tree over the
+block's positions, as Medusa's over its heads (`propose_tree`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from specdec_cli.config import TreeShape
 from specdec_cli.decoding.cache import right_padded_states
 from specdec_cli.decoding.host import to_device
 from specdec_cli.decoding.params import SamplingParams
-from specdec_cli.drafters.base import Drafts, Rows, States
+from specdec_cli.decoding.tree import DraftTree, draft_log_probs, static_tree
+from specdec_cli.drafters.base import Drafts, PathCommit, Rows, States
 from specdec_cli.drafters.model import draft_token
 from specdec_cli.models.dflash import DFlashDraft
 
 
-class BlockDrafter:
+class BlockDrafter(PathCommit):
     reads_target_states = True  # the layers `model.state_layers`, side by side
 
     def __init__(self, model: DFlashDraft, vocab_size: int):
@@ -78,6 +81,13 @@ class BlockDrafter:
         # a block of fixed size is run whatever gamma is (its positions attend to each other), and
         # the first gamma positions drafted, each from its own q
         return draft_token(self.logits()[:, :gamma], params, generator)
+
+    def propose_tree(self, shape: TreeShape, params: SamplingParams, generator: torch.Generator | None) -> DraftTree:
+        """The static top-k tree over the block's positions (decoding/tree.py's `static_tree`), from
+        the chain's one forward: position i's top_k below every node at depth i. No position is
+        conditioned on another's draft, so the tree is exact for the reason Medusa's is
+        (drafters/medusa.py) and costs a chain's draft step."""
+        return static_tree(draft_log_probs(self.logits()[:, : shape.depth], params), shape)
 
     def commit(self, draft_ids: Rows, num_accepted: list[int], next_tokens: list[int], target_states: States) -> None:
         # verified now: the block's first token and the accepted drafts, with the target's states there

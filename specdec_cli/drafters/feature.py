@@ -116,9 +116,7 @@ class FeatureDrafter:
             out = self.model.forward(inputs_embeds=inputs, region=growth.region(self.root), hidden=True)
             states = torch.cat([states, out.hidden], dim=1)
             growth.grow(draft_log_probs(out.logits, params, self.subset))
-        tree, _ = growth.select()
-        stateless = to_device(rows_without_state, self.model.device, torch.bool)[:, None]
-        return DraftTree(tree.tokens.masked_fill(stateless, 0), tree.parents.masked_fill(stateless, -1), tree.depth)
+        return growth.select()[0].without(to_device(rows_without_state, self.model.device, torch.bool))
 
     def commit_tree(
         self,

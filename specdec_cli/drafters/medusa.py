@@ -1,20 +1,23 @@
 """Medusa heads as a drafter: one pass of the heads over the target's last verified state drafts the
 whole block, head i the block's position i (the token after the target's own next token is head
 0's). A block has at most num_heads drafts; each position is drawn from its own head's q. What it
-holds, per row: the target's state at the last verified token, nothing else (no cache to roll back)."""
+holds, per row: the target's state at the last verified token, nothing else (no cache to roll back).
+A tree is the static top-k tree over the heads (`propose_tree`)."""
 
 from __future__ import annotations
 
 import torch
 
+from specdec_cli.config import TreeShape
 from specdec_cli.decoding.host import to_device
 from specdec_cli.decoding.params import SamplingParams
-from specdec_cli.drafters.base import NOT_DRAFTED, Drafts, Rows, States
+from specdec_cli.decoding.tree import DraftTree, draft_log_probs, static_tree
+from specdec_cli.drafters.base import NOT_DRAFTED, Drafts, PathCommit, Rows, States
 from specdec_cli.drafters.model import draft_token
 from specdec_cli.models.medusa import MedusaHeads
 
 
-class MedusaDrafter:
+class MedusaDrafter(PathCommit):
     reads_target_states = True  # the target's last state (after its final norm), `state_layers` (-1,)
 
     def __init__(self, heads: MedusaHeads, vocab_size: int):
@@ -48,6 +51,19 @@ class MedusaDrafter:
         stateless = to_device([not s for s in self.has_state], self.device, torch.bool)
         tokens = tokens.masked_fill(stateless[:, None], NOT_DRAFTED)
         return tokens, None if q is None else q.masked_fill(stateless[:, None, None], 0.0)
+
+    def propose_tree(self, shape: TreeShape, params: SamplingParams, generator: torch.Generator | None) -> DraftTree:
+        """The static top-k tree over the heads (decoding/tree.py's `static_tree`): below every node
+        at depth i, head i's top_k tokens; the max_nodes most probable nodes by the product of their
+        heads' probabilities (warped as the target's when sampling). At most num_heads deep.
+
+        A head's distribution is the same below every node: it is not conditioned on the path above,
+        as a draft model's would be. The test stays exact: each node's children are a deterministic
+        top-k, fixed before the target's draws, and `try_children`'s rule emits the target's p after
+        the node's path for any distinct children so fixed, without reading q. The heads' q decides
+        which children are tried, so only how often one is accepted."""
+        tree = static_tree(draft_log_probs(self.logits(min(shape.depth, self.heads.num_heads)), params), shape)
+        return tree.without(to_device([not s for s in self.has_state], self.device, torch.bool))
 
     def commit(self, draft_ids: Rows, num_accepted: list[int], next_tokens: list[int], target_states: States) -> None:
         # the state at the last accepted input: the target drew next_token there

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
+from specdec_cli.config import TreeShape
 from specdec_cli.decoding.host import to_device
 from specdec_cli.decoding.params import SamplingParams
-from specdec_cli.drafters.base import NOT_DRAFTED, Drafts, Rows, States
+from specdec_cli.decoding.tree import DraftTree
+from specdec_cli.drafters.base import NOT_DRAFTED, Drafts, PathCommit, Rows, States
 
 
-class NgramDrafter:
+class NgramDrafter(PathCommit):
     """Find the last earlier occurrence of the context's final n-gram (longest n first) and propose
     the tokens that followed it. Deterministic, so q is one-hot."""
 
@@ -24,15 +28,54 @@ class NgramDrafter:
     def start(self, prompts: Rows, max_tokens: int, target_states: States) -> None:
         self.contexts = [list(prompt) for prompt in prompts]
 
-    def lookup(self, gamma: int, row: int = 0) -> list[int]:
+    def continuations(self, length: int, row: int = 0) -> Iterator[list[int]]:
+        """What followed each earlier occurrence of the row's final n-gram, up to `length` tokens (at
+        least one): longest n first, then the most recent occurrence first, as it best predicts what
+        comes next."""
         ctx = self.contexts[row]
         for n in range(min(self.max_n, len(ctx) - 1), self.min_n - 1, -1):
             suffix = ctx[-n:]
-            # scan right to left: the most recent match best predicts what comes next
-            for start in range(len(ctx) - n - 1, -1, -1):
+            for start in range(len(ctx) - n - 1, -1, -1):  # right to left
                 if ctx[start : start + n] == suffix:
-                    return ctx[start + n : start + n + gamma]
-        return []
+                    yield ctx[start + n : start + n + length]
+
+    def lookup(self, gamma: int, row: int = 0) -> list[int]:
+        return next(self.continuations(gamma, row), [])
+
+    def lookup_tree(self, shape: TreeShape, row: int) -> tuple[list[int], list[int]]:
+        """The first top_k `continuations` (depth tokens each) that add to the tree, merged into a trie
+        of at most max_nodes nodes: its tokens and parent slots (0: the root; node i is slot i + 1),
+        a parent before its children, siblings in the order of the continuations that brought them."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        slot_of: dict[tuple[int, int], int] = {}  # (parent slot, token) -> the node's slot
+        branches = 0
+        for continuation in self.continuations(shape.depth, row):
+            parent, grew = 0, False
+            for token in continuation:
+                if (parent, token) not in slot_of:
+                    if len(tokens) == shape.max_nodes:
+                        break
+                    tokens.append(token)
+                    parents.append(parent)
+                    slot_of[parent, token] = len(tokens)
+                    grew = True
+                parent = slot_of[parent, token]
+            branches += grew
+            if branches == shape.top_k or len(tokens) == shape.max_nodes:
+                break
+        return tokens, parents
+
+    def propose_tree(self, shape: TreeShape, params: SamplingParams, generator: torch.Generator | None) -> DraftTree:
+        """Several earlier occurrences of the context's final n-gram as branches (`lookup_tree`).
+        Deterministic, like the chain: q is one-hot on every child, and `try_children`'s rule is exact
+        at every temperature. A row that found less has placeholders."""
+        found = [self.lookup_tree(shape, row) for row in range(len(self.contexts))]
+        width = max(1, *(len(tokens) for tokens, _ in found))
+        padded = [tokens + [0] * (width - len(tokens)) for tokens, _ in found]
+        padded += [parents + [-1] * (width - len(parents)) for _, parents in found]
+        tokens, parents = to_device(padded, self.device).view(2, len(found), width)
+        return DraftTree(tokens, parents, shape.depth)
 
     def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None) -> Drafts:
         return self.drafts(self.find(gamma), params)

@@ -95,15 +95,9 @@ class Pair:
         return SpeculativeDecoder(self.target, drafter, params, gamma, self.eos_token_ids, verification=verification)
 
     def check_tree(self) -> None:
-        """Only drafters that draft token by token with a tree of their own can draft trees."""
+        """Every drafter drafts trees but prompt lookup ahead of another one."""
         if self.lookup is not None:
             raise SpecdecError("prompt lookup (draft.lookup) has no draft tree yet: draft trees without it")
-        if not isinstance(self.drafter, (ModelDrafter, FeatureDrafter)):
-            kind = self.draft_description or "prompt lookup (ngram)"
-            raise SpecdecError(
-                f"this draft ({kind}) has no draft tree yet; trees: a draft model (a causal LM), a feature "
-                "or EAGLE draft"
-            )
 
     def encode(self, prompt: str, raw: bool = False, history: list[dict] | None = None) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, raw, history)
