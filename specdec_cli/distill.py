@@ -47,19 +47,18 @@ from specdec_cli.config import Config
 from specdec_cli.errors import SpecdecError
 from specdec_cli.models import eagle3_draft
 from specdec_cli.models.checkpoints import first_lines, load_model
+from specdec_cli.models.eagle import eagle3_layers
 from specdec_cli.models.feature_draft import (
     EMBEDDING,
     check_target_layers,
-    eagle3_layers,
-    feature_inputs,
     init_draft,
     own_weights,
-    read_target,
     save_draft,
     starting_layers,
-    target_layers,
 )
+from specdec_cli.models.feature_parts import feature_inputs, read_target
 from specdec_cli.models.pair import resolve_device, resolve_dtype
+from specdec_cli.models.target_states import target_layers
 from specdec_cli.models.tokens import encode_prompt, eos_token_ids, padding_id
 
 WORK = "distill-work"  # subfolder of the output: corpus and training state until training ends
