@@ -23,8 +23,9 @@ from specdec_cli.drafters.model import ModelDrafter
 from specdec_cli.drafters.ngram import NgramDrafter
 from specdec_cli.errors import EXIT_BAD_INPUT
 from specdec_cli.models.checkpoints import build_tiny
-from specdec_cli.models.feature_draft import init_draft, target_layers
+from specdec_cli.models.feature_draft import init_draft
 from specdec_cli.models.pair import load_pair
+from specdec_cli.models.target_states import target_layers
 
 PROMPTS = [
     "Hi",

@@ -384,7 +384,7 @@ BAD = {
     "medusa pickle of objects": (pickle_of_objects, "not a pickle of plain tensors"),
     "dflash layer ids": (
         lambda f: write_dflash(f, dflash_config={"target_layer_ids": [0, 2], "mask_token_id": MASK}),
-        "target_layer_ids [0, 2] out of range for a target of 2 layers",
+        "target_layer_ids [0, 2] (hidden states [1, 3]) do not fit a target of 2 layers",
     ),
     "dflash target depth": (lambda f: write_dflash(f, num_target_layers=36), "made for a target of 36 layers"),
     "dflash width": (lambda f: write_dflash(f, hidden_size=32), "hidden size 32, the target's is 64"),

@@ -38,7 +38,8 @@ from specdec_cli.distill.corpus import (
 from specdec_cli.distill.train import draft_log_probs, split_heldout
 from specdec_cli.errors import EXIT_BAD_INPUT
 from specdec_cli.models.checkpoints import load_model
-from specdec_cli.models.feature_draft import DRAFT_INFO, feature_inputs, init_draft, read_target
+from specdec_cli.models.feature_draft import DRAFT_INFO, init_draft
+from specdec_cli.models.feature_parts import feature_inputs, read_target
 from specdec_cli.models.pair import load_pair
 from specdec_cli.models.tokens import padding_id
 from specdec_cli.options import EXIT_INTERRUPTED, configure

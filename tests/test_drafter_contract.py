@@ -19,7 +19,8 @@ from specdec_cli.drafters.lookup import LookupFirstDrafter
 from specdec_cli.drafters.model import ModelDrafter
 from specdec_cli.drafters.ngram import NgramDrafter
 from specdec_cli.models.checkpoints import build_tiny
-from specdec_cli.models.feature_draft import init_draft, target_layers
+from specdec_cli.models.feature_draft import init_draft
+from specdec_cli.models.target_states import target_layers
 
 # token ids: in three rows every id of the vocabulary occurs, so lookup of one token always finds a
 # continuation; in the last row half of them do: some blocks are lookup's, the others the model's

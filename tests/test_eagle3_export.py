@@ -27,9 +27,10 @@ from specdec_cli.distill.train import evaluate
 from specdec_cli.drafters.feature import FeatureDrafter
 from specdec_cli.errors import EXIT_BAD_INPUT
 from specdec_cli.models.checkpoints import build_tiny, byte_tokenizer
+from specdec_cli.models.draft_folder import DraftFolder
 from specdec_cli.models.eagle3_draft import INFO
 from specdec_cli.models.feature_draft import DRAFT_INFO
-from specdec_cli.models.formats import DraftFolder, recognise
+from specdec_cli.models.formats import recognise
 from specdec_cli.models.pair import load_pair
 from specdec_cli.models.tokens import padding_id
 
@@ -207,10 +208,10 @@ def test_greedy_output_is_the_targets(exported):
 @pytest.mark.parametrize(
     "options, message",
     [
-        (["--target-layers", "1,2"], "not [1, 2]"),
-        (["--target-layers", "0,1,2"], "not [0, 1, 2]"),  # the embedding output: no engine captures it
-        (["--target-layers", "1,2,4"], "not [1, 2, 4]"),  # after the final norm
-        ([], "not [2, 2, 1]"),  # the default, inputs of layers 2, L//2, L-3, coincide on 4 layers
+        (["--target-layers", "1,2"], "[1, 2] do not fit"),
+        (["--target-layers", "0,1,2"], "[0, 1, 2] do not fit"),  # the embedding output: no engine captures it
+        (["--target-layers", "1,2,4"], "[1, 2, 4] do not fit"),  # after the final norm
+        ([], "[2, 2, 1] do not fit"),  # the default, inputs of layers 2, L//2, L-3, coincide on 4 layers
         (["--target-layers", "1,2,3", "--layers", "2"], "EAGLE-3 drafts have one layer"),
     ],
 )

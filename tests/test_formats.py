@@ -29,7 +29,7 @@ from specdec_cli.config import TinyModel, load_config
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.errors import EXIT_BAD_INPUT
 from specdec_cli.models.checkpoints import build_tiny, byte_tokenizer
-from specdec_cli.models.feature_draft import FEATURES
+from specdec_cli.models.feature_parts import FEATURES
 from specdec_cli.models.formats import DRAFT_FORMAT, load_format
 from specdec_cli.models.pair import load_pair
 
@@ -328,7 +328,7 @@ BROKEN = {
     "layer ids": (
         "eagle3",
         set_config(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, LAYERS - 1]}),
-        "layer ids out of range",
+        "(hidden states [2, 4, 8]) do not fit a target of 8 layers",
     ),
     "missing tensor": ("eagle3", drop("midlayer.hidden_norm.weight"), "missing tensors midlayer.hidden_norm.weight"),
     "missing head": ("eagle3", drop("lm_head.weight"), "missing tensors lm_head.weight"),

@@ -26,8 +26,10 @@ from specdec_cli.drafters.feature import FeatureDrafter
 from specdec_cli.drafters.model import ModelDrafter
 from specdec_cli.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED
 from specdec_cli.models.checkpoints import build_tiny
-from specdec_cli.models.feature_draft import feature_inputs, init_draft, target_layers
+from specdec_cli.models.feature_draft import init_draft
+from specdec_cli.models.feature_parts import feature_inputs
 from specdec_cli.models.pair import load_pair
+from specdec_cli.models.target_states import target_layers
 
 SIGNIFICANCE = 0.01
 PROMPTS = [

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedModel
 
-from specdec_cli.models.feature_draft import eagle3_layers
+from specdec_cli.models.eagle import eagle3_layers
 
 FORMATS = ("specdec", "eagle3")  # the draft specdec trains, or EAGLE-3's (models/eagle3_draft.py)
 

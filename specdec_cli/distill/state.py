@@ -15,7 +15,8 @@ from specdec_cli.distill.settings import DistillSettings, read_layers
 from specdec_cli.errors import SpecdecError
 from specdec_cli.models import eagle3_draft
 from specdec_cli.models.checkpoints import first_lines
-from specdec_cli.models.feature_draft import EMBEDDING, own_weights, save_draft, starting_layers, target_layers
+from specdec_cli.models.feature_draft import EMBEDDING, own_weights, save_draft, starting_layers
+from specdec_cli.models.target_states import target_layers
 
 WORK = "distill-work"  # subfolder of the output: corpus and training state until training ends
 STATE = "train-state.pt"  # (train-state-eagle3.pt for an EAGLE-3 draft)

@@ -16,7 +16,8 @@ from specdec_cli.distill.settings import DistillSettings, read_layers
 from specdec_cli.distill.state import resume, save_state, state_path, trained_with
 from specdec_cli.errors import SpecdecError
 from specdec_cli.models import eagle3_draft
-from specdec_cli.models.feature_draft import feature_inputs, init_draft, read_target
+from specdec_cli.models.feature_draft import init_draft
+from specdec_cli.models.feature_parts import feature_inputs, read_target
 from specdec_cli.models.tokens import eos_token_ids, padding_id
 
 

@@ -20,13 +20,12 @@ from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.decoding.tree import DraftTree, draft_log_probs, static_tree
 from specdec_cli.drafters.base import Drafts, PathCommit, Rows, States
 from specdec_cli.drafters.model import draft_token
-from specdec_cli.models.dflash import DFlashDraft
 
 
 class BlockDrafter(PathCommit):
     reads_target_states = True  # the layers `model.state_layers`, side by side
 
-    def __init__(self, model: DFlashDraft, vocab_size: int):
+    def __init__(self, model: torch.nn.Module, vocab_size: int):  # a DFlashDraft (models/dflash.py)
         self.model = model
         self.vocab_size = vocab_size
         self.device = model.fc.weight.device

@@ -13,7 +13,7 @@ from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.decoding.tree import DraftTree, TreeGrowth, draft_log_probs
 from specdec_cli.drafters.base import NOT_DRAFTED, Drafts, Rows, States
 from specdec_cli.drafters.model import confident, draft_token, stack_drafts
-from specdec_cli.models.feature_draft import feature_inputs, read_target, vocabulary_subset
+from specdec_cli.models.feature_parts import feature_inputs, read_target, vocabulary_subset
 
 
 class FeatureDrafter:

@@ -14,13 +14,12 @@ from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.decoding.tree import DraftTree, draft_log_probs, static_tree
 from specdec_cli.drafters.base import NOT_DRAFTED, Drafts, PathCommit, Rows, States
 from specdec_cli.drafters.model import draft_token
-from specdec_cli.models.medusa import MedusaHeads
 
 
 class MedusaDrafter(PathCommit):
     reads_target_states = True  # the target's last state (after its final norm), `state_layers` (-1,)
 
-    def __init__(self, heads: MedusaHeads, vocab_size: int):
+    def __init__(self, heads: torch.nn.Module, vocab_size: int):  # MedusaHeads (models/medusa.py)
         self.heads = heads
         self.vocab_size = vocab_size
         self.device = next(heads.parameters()).device

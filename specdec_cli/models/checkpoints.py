@@ -36,7 +36,8 @@ from transformers import (
 from specdec_cli.config import ModelSpec, TinyModel, local_path
 from specdec_cli.errors import FetchError, SpecdecError
 from specdec_cli.models.decode_matmul import use_decode_matmul
-from specdec_cli.models.formats import WEIGHTS, index_files, load_format, tier_files
+from specdec_cli.models.draft_folder import WEIGHTS, index_files, tier_files
+from specdec_cli.models.formats import load_format
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 # what a draft's config, shard indexes, tokenizer and trusted remote code (*.py) are in; its weights
-# are the first tier of formats.WEIGHTS the repository has. Top level only, as the loaders read it:
+# are the first tier of draft_folder.WEIGHTS the repository has. Top level only, as the loaders read it:
 # subfolders hold other copies (original/*.pth, onnx/)
 HUB_FILES = ["*.json", "*.model", "*.txt", "*.jinja", "*.py"]
 

@@ -19,37 +19,22 @@ embedding, a draft's own embedding, head or vocabulary map; such checkpoints are
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from transformers import AutoConfig
 from transformers.activations import ACT2FN
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
+from specdec_cli.drafters.block import BlockDrafter
 from specdec_cli.errors import SpecdecError
-
-if TYPE_CHECKING:
-    from specdec_cli.models.formats import DraftFolder
+from specdec_cli.models.draft_folder import DraftFolder, Drafting, Format
+from specdec_cli.models.target_states import check_states, from_outputs
 
 ARCHITECTURE = "DFlashDraftModel"
 
 
 def recognise(folder: DraftFolder) -> bool:
     return ARCHITECTURE in (folder.config.get("architectures") or []) or "dflash_config" in folder.config
-
-
-class RMSNorm(torch.nn.Module):
-    """Llama/Qwen3's: normalised in float32, scaled in the input's dtype."""
-
-    def __init__(self, width: int, eps: float):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(width))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -70,10 +55,10 @@ class Attention(torch.nn.Module):
         self.k_proj = torch.nn.Linear(width, self.kv_heads * self.head_dim, bias=bias)
         self.v_proj = torch.nn.Linear(width, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = torch.nn.Linear(self.heads * self.head_dim, width, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.q_norm = LlamaRMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = LlamaRMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 
-    def split(self, x: torch.Tensor, heads: int, norm: RMSNorm | None) -> torch.Tensor:
+    def split(self, x: torch.Tensor, heads: int, norm: LlamaRMSNorm | None) -> torch.Tensor:
         x = x.unflatten(-1, (heads, self.head_dim))  # [B, n, heads, D]
         return (norm(x) if norm is not None else x).transpose(1, 2)
 
@@ -112,8 +97,8 @@ class Layer(torch.nn.Module):
         super().__init__()
         self.self_attn = Attention(config, qk_norm)
         self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, cos, sin, context_kv, visible) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_kv, visible)
@@ -126,12 +111,12 @@ class DFlashDraft(torch.nn.Module):
         self.config = config
         self.block_size = int(config.block_size)
         self.target_layer_ids = list(target_layer_ids)
-        # what the target hands over: transformers' hidden_states indices (see the module docstring)
-        self.state_layers = tuple(i + 1 for i in target_layer_ids)
+        # what the target hands over: the hidden states those layers output (models/target_states.py)
+        self.state_layers = tuple(from_outputs(target_layer_ids))
         self.fc = torch.nn.Linear(len(target_layer_ids) * target_width, config.hidden_size, bias=False)
-        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = torch.nn.ModuleList(Layer(config, qk_norm) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = LlamaRotaryEmbedding(config)  # rope_parameters of the draft's config
         self.mask_token_id = 0
         self.borrowed: tuple = ()  # (embedding, head): the target's, kept out of this module's state
@@ -214,12 +199,8 @@ def load(folder: DraftFolder, target_model, dtype: torch.dtype) -> DFlashDraft:
             f"{where}: made for a vocabulary of {config['vocab_size']} tokens, the target's has {vocab_size}"
         )
     layer_ids = dflash.get("target_layer_ids") or default_layer_ids(num_layers, config.get("num_hidden_layers", 1))
-    if not all(isinstance(i, int) and 0 <= i < num_layers for i in layer_ids):
-        raise SpecdecError(
-            f"{where}: target_layer_ids {list(layer_ids)} out of range for a target of {num_layers} layers "
-            f"(0..{num_layers - 1})"
-        )
-
+    states = from_outputs(layer_ids)
+    check_states(states, num_layers, f"{where}: target_layer_ids {list(layer_ids)} (hidden states {states})", lowest=1)
     settings = {k: v for k, v in config.items() if k != "model_type"}
     try:
         draft_config = AutoConfig.for_model(config.get("model_type", "qwen3"), **settings)
@@ -258,3 +239,16 @@ def load(folder: DraftFolder, target_model, dtype: torch.dtype) -> DFlashDraft:
     model.mask_token_id = mask_token_id
     model.borrowed = (embedding, head)
     return model.eval()
+
+
+def drafting(draft: DFlashDraft, vocab_size: int, confidence_threshold: float) -> Drafting:
+    """One forward drafts a block, reading the target's states at every verified token."""
+    return Drafting(
+        BlockDrafter(draft, vocab_size),
+        draft.state_layers,
+        f"blocks of {draft.block_size}, reads the target's hidden states {list(draft.state_layers)} "
+        f"(outputs of layers {draft.target_layer_ids})",
+    )
+
+
+FORMAT = Format(claims=recognise, load=load, drafting=drafting, architectures=(ARCHITECTURE,))

@@ -1,5 +1,5 @@
 """EAGLE-3 drafts that `specdec distill --format eagle3` trains and saves in the layout serving
-engines load (models/formats.py loads it back the same way):
+engines load (models/eagle.py loads it back the same way):
 
 - config.json: a one-layer Llama config, `architectures: ["LlamaForCausalLMEagle3"]` (SpecForge and
   SGLang's class; vLLM maps it to its `Eagle3LlamaForCausalLM`), `vocab_size` the target's,
@@ -34,8 +34,10 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from specdec_cli.errors import SpecdecError
-from specdec_cli.models.feature_draft import DRAFT_INFO, TAPS, TARGET_LAYERS, SubsetHead, own_weights, starting_layers
-from specdec_cli.models.formats import EAGLE3_ARCHITECTURES, Eagle3Head, llama_from, make_eagle3
+from specdec_cli.models.eagle import EAGLE3_ARCHITECTURES, Eagle3Head, llama_from, make_eagle3
+from specdec_cli.models.feature_draft import DRAFT_INFO, own_weights, starting_layers
+from specdec_cli.models.feature_parts import TAPS, SubsetHead
+from specdec_cli.models.target_states import TARGET_LAYERS, check_states
 
 INFO = "distill.json"
 # in-memory names -> EAGLE-3's (own_weights of the draft that `init_eagle3` builds)
@@ -53,11 +55,9 @@ def check_taps(taps: tuple[int, ...], num_layers: int, draft_layers: int) -> Non
     transformers' `hidden_states[L]` is after the final norm, which no engine captures)."""
     if draft_layers != 1:
         raise SpecdecError(f"--format eagle3: EAGLE-3 drafts have one layer (--layers 1), not {draft_layers}")
-    if len(taps) != 3 or len(set(taps)) != 3 or not all(1 <= i < num_layers for i in taps):
-        raise SpecdecError(
-            f"--format eagle3 reads 3 distinct target hidden states among 1 .. {num_layers - 1} (inputs of "
-            f"those layers), not {list(taps)}: give them with --target-layers"
-        )
+    check_states(
+        taps, num_layers, f"--format eagle3: target layers {list(taps)}", lowest=1, highest=num_layers - 1, count=3
+    )
 
 
 def eagle3_config(target: PreTrainedModel, taps: tuple[int, ...], draft_vocab: int) -> dict:
@@ -93,7 +93,7 @@ def eagle3_config(target: PreTrainedModel, taps: tuple[int, ...], draft_vocab: i
         "eos_token_id": text.eos_token_id,
         "pad_token_id": text.pad_token_id,
         "torch_dtype": "bfloat16",
-        # vLLM: inputs of these layers; SpecForge / SGLang: outputs of these (formats.eagle3_taps)
+        # vLLM: inputs of these layers; SpecForge / SGLang: outputs of these (eagle.eagle3_taps)
         "eagle_aux_hidden_state_layer_ids": taps,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in taps], "use_aux_hidden_state": True},
     }
@@ -107,7 +107,7 @@ def init_eagle3(
     zero_features: bool = False,
 ) -> PreTrainedModel:
     """An EAGLE-3 draft for a Llama-style target reading its hidden states `taps`, trainable in
-    float32, built as `formats.load_eagle3` builds a loaded one. Its start mirrors specdec's own
+    float32, built as `eagle.load_eagle3` builds a loaded one. Its start mirrors specdec's own
     draft's: its layer is the target layer `init_layers` (default: the first), q/k/v reading the
     normed embedding and state both through that layer's map (embedding + state), both input norms
     the layer's; `fc` passes the deepest tap (or nothing with `zero_features`: a token-only start);

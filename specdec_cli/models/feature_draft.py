@@ -17,7 +17,9 @@ sees tokens only. Its parts:
   distribution over the target's vocabulary, and the draft simply never proposes them.
 
 The folder holds config.json, model.safetensors (the draft's own weights and `TOKEN_IDS`, the
-subset), the target's tokenizer and `DRAFT_INFO` (what it was distilled for, and how).
+subset), the target's tokenizer and `DRAFT_INFO` (what it was distilled for, and how): `FORMAT`
+recognises it by that file, loads it and drafts with it. What every feature draft is run through
+(its projection, head, reading of the target's states) is in models/feature_parts.py.
 """
 
 from __future__ import annotations
@@ -28,33 +30,18 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from specdec_cli.decoding.cache import CachedModel
+from specdec_cli.drafters.feature import FeatureDrafter
 from specdec_cli.errors import SpecdecError
-from specdec_cli.models.decode_matmul import linear
+from specdec_cli.models.draft_folder import DraftFolder, Drafting, Format
+from specdec_cli.models.feature_parts import FEATURES, TAPS, SubsetHead
+from specdec_cli.models.target_states import LAST, TARGET_LAYERS, check_states, target_layers
 
 DRAFT_INFO = "specdec-draft.json"
 EMBEDDING = "model.embed_tokens.weight"  # borrowed from the target, never stored
 TOKEN_IDS = "specdec.token_ids"  # the target token ids the draft's head scores
-FEATURES = "feature_projection"  # the draft's module that reads [embedding, hidden state]
-TAPS = "tap_fusion"  # the draft's module that fuses the target layers it reads into one state
-# config key: which of the target's hidden states the draft reads, as indices into transformers'
-# `hidden_states` (0 the embedding output, i the input of layer i, -1 the last, after the final norm)
-TARGET_LAYERS = "specdec_target_layers"
-LAST = (-1,)
-
-
-def is_feature_draft(model: torch.nn.Module) -> bool:
-    return hasattr(model, FEATURES)
-
-
-def eagle3_layers(num_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's taps of a target of `num_layers` layers: the inputs of layers 2, L // 2 and L - 3
-    (low, middle, high)."""
-    return (2, num_layers // 2, num_layers - 3)
-
-
-def target_layers(draft: PreTrainedModel) -> tuple[int, ...]:
-    return tuple(getattr(draft.config, TARGET_LAYERS, None) or LAST)
 
 
 class TapFusion(torch.nn.Module):
@@ -66,54 +53,13 @@ class TapFusion(torch.nn.Module):
         super().__init__()
         self.width, self.eps = width, eps
         self.linear = torch.nn.Linear(taps * width, width, bias=False)
-        self.norm = torch.nn.RMSNorm(width, eps=eps)
+        self.norm = LlamaRMSNorm(width, eps=eps)
 
     def forward(self, states: torch.Tensor) -> torch.Tensor:
         taps = states.unflatten(-1, (-1, self.width))
+        # LlamaRMSNorm without its weight: torch's rms_norm also normalises in float32
         normed = torch.nn.functional.rms_norm(taps, (self.width,), eps=self.eps).flatten(-2)
         return self.norm(self.linear(normed.to(self.linear.weight.dtype)))
-
-
-def read_target(draft: PreTrainedModel, states: torch.Tensor) -> torch.Tensor:
-    """The target's states as the draft reads them [..., width] (fused when it reads several layers)."""
-    fusion = getattr(draft, TAPS, None)
-    return states if fusion is None else fusion(states)
-
-
-def feature_inputs(draft: PreTrainedModel, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-    """The draft's input vectors: token j + 1's embedding beside the state at token j (the target's,
-    through `read_target`, or the draft's own)."""
-    embeddings = draft.get_input_embeddings()(input_ids)
-    return getattr(draft, FEATURES)(torch.cat([embeddings, features.to(embeddings.dtype)], dim=-1))
-
-
-class SubsetHead(torch.nn.Module):
-    """The target's LM head restricted to `token_ids`; every other token gets logit -inf. `weight`
-    gives the rows for `token_ids` when the draft has its own (EAGLE-3 drafts train theirs)."""
-
-    def __init__(self, target_head: torch.Tensor, token_ids: torch.Tensor, weight: torch.Tensor | None = None):
-        super().__init__()
-        self.vocab_size = target_head.shape[0]
-        # buffers, not parameters: frozen, and left out of the draft's state dict (stored by reference)
-        self.register_buffer("token_ids", token_ids.to(target_head.device), persistent=False)
-        rows = target_head.detach()[self.token_ids] if weight is None else weight.to(target_head.device)
-        self.register_buffer("weight", rows, persistent=False)
-
-    def scores(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of the subset only [..., len(token_ids)] (what training needs)."""
-        return linear(hidden, self.weight)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        scores = self.scores(hidden)
-        logits = scores.new_full((*scores.shape[:-1], self.vocab_size), float("-inf"))
-        logits[..., self.token_ids] = scores
-        return logits
-
-
-def vocabulary_subset(draft: torch.nn.Module) -> torch.Tensor | None:
-    """The token ids the draft's head scores, where that is a strict subset of the vocabulary."""
-    head = next((m for m in draft.modules() if isinstance(m, SubsetHead)), None)
-    return head.token_ids if head is not None and len(head.token_ids) < head.vocab_size else None
 
 
 def borrow_from_target(draft: PreTrainedModel, target: PreTrainedModel, token_ids: torch.Tensor) -> None:
@@ -132,13 +78,8 @@ def add_feature_projection(draft: PreTrainedModel) -> torch.nn.Linear:
 
 
 def check_target_layers(layers: tuple[int, ...], target_config) -> None:
-    count = target_config.num_hidden_layers
-    wrong = [i for i in layers if not (0 <= i <= count or i == -1)]
-    if wrong or not layers:
-        raise SpecdecError(
-            f"target layer ids {list(layers)} do not fit a target of {count} layers "
-            f"(0 .. {count} are the inputs of its layers and its last state; -1 is the last)"
-        )
+    """A feature draft reads any of the target's hidden states (models/target_states.py), -1 the last."""
+    check_states(layers, target_config.num_hidden_layers, f"target layer ids {list(layers)}", last=True)
 
 
 def starting_layers(target_config, num_layers: int, init_layers: tuple[int, ...] | None) -> list[int]:
@@ -214,12 +155,10 @@ def save_draft(draft: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: 
     (out / DRAFT_INFO).write_text(json.dumps(info, indent=2) + "\n")
 
 
-def load_draft(
-    folder: Path, weights: dict[str, torch.Tensor], target: PreTrainedModel, dtype: torch.dtype
-) -> PreTrainedModel:
-    """The draft in `folder`, whose tensors (formats.DraftFolder's) are `weights`, for `target`."""
-    config = AutoConfig.from_pretrained(folder)
-    weights = dict(weights)
+def load(folder: DraftFolder, target: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
+    """The draft in `folder` for `target`."""
+    config = AutoConfig.from_pretrained(folder.path)
+    weights = dict(folder.weights)
     token_ids = weights.pop(TOKEN_IDS, None)
     embedding = target.get_input_embeddings().weight
     if (
@@ -227,8 +166,8 @@ def load_draft(
         or embedding.shape != (config.vocab_size, config.hidden_size)
         or int(token_ids.max()) >= target.get_output_embeddings().weight.shape[0]
     ):
-        trained_for = json.loads((folder / DRAFT_INFO).read_text()).get("target", "another target")
-        raise SpecdecError(f"draft {folder} was distilled for {trained_for}: this target does not fit it")
+        trained_for = json.loads((folder.path / DRAFT_INFO).read_text()).get("target", "another target")
+        raise SpecdecError(f"draft {folder.path} was distilled for {trained_for}: this target does not fit it")
     check_target_layers(tuple(getattr(config, TARGET_LAYERS, None) or LAST), target.config)
     model = AutoModelForCausalLM.from_config(config)
     add_feature_projection(model)
@@ -237,7 +176,20 @@ def load_draft(
     missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=False, assign=True)
     if unexpected or set(missing) != {EMBEDDING}:
         raise SpecdecError(
-            f"draft {folder}: weights do not match its config "
+            f"draft {folder.path}: weights do not match its config "
             f"(missing {sorted(set(missing) - {EMBEDDING})[:3]}, unexpected {unexpected[:3]})"
         )
     return model
+
+
+def drafting(draft: PreTrainedModel, vocab_size: int, confidence_threshold: float) -> Drafting:
+    """A feature draft (specdec's or EAGLE's) drafts token by token, reading the target states its
+    config names."""
+    states = target_layers(draft)
+    read = "last hidden state" if states == LAST else f"hidden states {list(states)}"
+    return Drafting(
+        FeatureDrafter(CachedModel(draft, vocab_size), confidence_threshold), states, f"reads the target's {read}"
+    )
+
+
+FORMAT = Format(claims=lambda folder: (folder.path / DRAFT_INFO).is_file(), load=load, drafting=drafting)

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import re
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
 
 import torch
 
+from specdec_cli.drafters.medusa import MedusaDrafter
 from specdec_cli.errors import SpecdecError
-
-if TYPE_CHECKING:
-    from specdec_cli.models.formats import DraftFolder
+from specdec_cli.models.draft_folder import DraftFolder, Drafting, Format
+from specdec_cli.models.target_states import LAST
 
 FASTER_DECODING_LAYER = re.compile(r"(\d+)\.(\d+)\.linear\.weight")
 
@@ -202,3 +201,13 @@ def vllm_layout(
         for i in range(num_heads)
     ]
     return blocks, heads, token_map
+
+
+def drafting(heads: MedusaHeads, vocab_size: int, confidence_threshold: float) -> Drafting:
+    """One pass of its heads drafts a block from the target's last state."""
+    return Drafting(
+        MedusaDrafter(heads, vocab_size), LAST, f"{heads.num_heads} heads, reads the target's last hidden state"
+    )
+
+
+FORMAT = Format(claims=recognise, load=load, drafting=drafting, architectures=("MedusaModel",))

@@ -16,19 +16,16 @@ from specdec_cli.decoding.cache import CachedModel
 from specdec_cli.decoding.engine import SpeculativeDecoder
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.drafters.base import Drafter
-from specdec_cli.drafters.block import BlockDrafter
 from specdec_cli.drafters.feature import FeatureDrafter
 from specdec_cli.drafters.lookup import LookupFirstDrafter
-from specdec_cli.drafters.medusa import MedusaDrafter
 from specdec_cli.drafters.model import ModelDrafter
 from specdec_cli.drafters.ngram import NgramDrafter
 from specdec_cli.errors import SpecdecError
 from specdec_cli.models import decode_matmul
 from specdec_cli.models.checkpoints import load_model
-from specdec_cli.models.dflash import DFlashDraft
-from specdec_cli.models.feature_draft import LAST, is_feature_draft, target_layers
-from specdec_cli.models.formats import DRAFT_FORMAT
-from specdec_cli.models.medusa import MedusaHeads
+from specdec_cli.models.draft_folder import Drafting
+from specdec_cli.models.formats import DRAFT_FORMAT, FORMATS
+from specdec_cli.models.target_states import LAST
 from specdec_cli.models.tokens import encode_prompt, eos_token_ids
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -171,25 +168,15 @@ def load_pair(config: Config) -> Pair:
         draft_model, draft_tokenizer = load_model(config.draft, device, dtype, target=model)
         if draft_tokenizer is not None:  # a draft without one (EAGLE's) uses the target's
             check_tokenizers(tokenizer, draft_tokenizer)
-        kind = getattr(draft_model.config, DRAFT_FORMAT, None) or "causal LM"
-        if isinstance(draft_model, MedusaHeads):  # one pass of its heads drafts a block
-            drafter = MedusaDrafter(draft_model, vocab_size)
-            description = f"{kind} draft, {draft_model.num_heads} heads, reads the target's last hidden state"
-        elif isinstance(draft_model, DFlashDraft):  # one forward drafts a block
-            drafter = BlockDrafter(draft_model, vocab_size)
-            state_layers = draft_model.state_layers
-            description = (
-                f"{kind} draft, blocks of {draft_model.block_size}, reads the target's hidden states "
-                f"{list(state_layers)} (outputs of layers {draft_model.target_layer_ids})"
+        kind = getattr(draft_model.config, DRAFT_FORMAT, None)
+        if kind is None:  # a causal LM drafts from tokens alone
+            drafting = Drafting(
+                ModelDrafter(CachedModel(draft_model, vocab_size), threshold), LAST, "reads tokens only"
             )
-        elif is_feature_draft(draft_model):
-            drafter = FeatureDrafter(CachedModel(draft_model, vocab_size), threshold)
-            state_layers = target_layers(draft_model)  # what the target hands the draft
-            read = "last hidden state" if state_layers == LAST else f"hidden states {list(state_layers)}"
-            description = f"{kind} draft, reads the target's {read}"
         else:
-            drafter = ModelDrafter(CachedModel(draft_model, vocab_size), threshold)
-            description = f"{kind} draft, reads tokens only"
+            drafting = FORMATS[kind].drafting(draft_model, vocab_size, threshold)
+        drafter, state_layers = drafting.drafter, drafting.state_layers  # the states the target hands the draft
+        description = f"{kind or 'causal LM'} draft, {drafting.reads}"
         token_by_token = isinstance(drafter, (ModelDrafter, FeatureDrafter))
         if config.draft.lookup is not None:
             lookup = NgramDrafter(config.draft.lookup.max_n, config.draft.lookup.min_n, vocab_size, device)
