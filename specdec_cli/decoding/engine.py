@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -117,6 +118,59 @@ class Clock:
         return start.elapsed_time(end) / 1000
 
 
+class Timeline:
+    """The bookkeeping of one generate_batch: clock marks per block, each row's steps, where each row
+    stopped, and time spent showing tokens (kept off the decode time). Marks are read only in
+    `fill`, after the loop."""
+
+    def __init__(self, clock: Clock, rows: int):
+        self.clock = clock
+        self.start = clock.mark()
+        self.decode_start = None
+        self.marks: list[BlockMarks] = []
+        self.block_rows: list[int] = []  # rows decoding in each block, which share its time
+        self.row_steps: list[list[tuple[int, int, int, int]]] = [
+            [] for _ in range(rows)
+        ]  # (block, drafted, accepted, emitted)
+        self.finished_at = [0] * rows  # the block in which each row stopped
+        self.display_seconds = 0.0
+
+    def prefilled(self) -> None:
+        self.decode_start = self.clock.mark()
+
+    def block(self, start, drafted_at, rows: int) -> None:
+        self.marks.append(BlockMarks(start, drafted_at, self.clock.mark()))
+        self.block_rows.append(rows)
+
+    def step(self, row: int, drafted: int, accepted: int, emitted: int, stopped: bool) -> None:
+        self.row_steps[row].append((len(self.marks) - 1, drafted, accepted, emitted))
+        if stopped:
+            self.finished_at[row] = len(self.marks) - 1
+
+    @contextmanager
+    def off_clock(self):
+        shown = time.perf_counter()
+        yield
+        self.display_seconds += time.perf_counter() - shown
+
+    def fill(self, results: list[GenerationResult]) -> None:
+        clock = self.clock
+        prefill_seconds = clock.seconds(self.start, self.decode_start)
+        # each row's step carries its share of the block's time, so sums over rows are wall time
+        times = [
+            (clock.seconds(m.start, m.drafted_at) / rows, clock.seconds(m.drafted_at, m.verified_at) / rows)
+            for m, rows in zip(self.marks, self.block_rows)
+        ]
+        for row, result in enumerate(results):
+            result.prefill_seconds = prefill_seconds
+            stopped_at = self.marks[self.finished_at[row]].verified_at
+            result.decode_seconds = clock.seconds(self.decode_start, stopped_at) - self.display_seconds
+            result.steps = [
+                StepRecord(drafted=d, accepted=a, emitted=e, draft_seconds=times[b][0], verify_seconds=times[b][1])
+                for b, d, a, e in self.row_steps[row]
+            ]
+
+
 class SpeculativeDecoder:
     """Generates from `target`, drafting with `drafter` (None: the target alone, one token per forward)."""
 
@@ -170,11 +224,10 @@ class SpeculativeDecoder:
         generator = torch.Generator(device=device).manual_seed(seed)
         results = [GenerationResult(prompt_ids=list(p)) for p in prompts]
         max_tokens = max(map(len, prompts)) + max_new_tokens + self.width + 1
-        clock = self.clock
         # only a drafter that reads the target's hidden states makes the target return them
         wants_states = self.drafter is not None and self.drafter.reads_target_states
 
-        start = clock.mark()
+        timeline = Timeline(self.clock, len(prompts))
         self.target.reset(max_tokens, len(prompts))
         prompt_states = None
         if max(map(len, prompts)) > 1:
@@ -182,21 +235,15 @@ class SpeculativeDecoder:
             prompt_states = self.target.forward(ids, counts=counts, logits="none", hidden=wants_states).hidden
         if self.drafter is not None:
             self.drafter.start(prompts, max_tokens, prompt_states)
-        decode_start = clock.mark()
-        prefill_seconds = clock.seconds(start, decode_start)
+        timeline.prefilled()
 
         active = list(range(len(prompts)))  # rows still decoding, in the caches' order
         last_token = to_device([p[-1:] for p in prompts], device)  # [B, 1]
-        marks: list[BlockMarks] = []
-        block_rows: list[int] = []  # rows decoding in each block, which share its time
-        row_blocks: list[list[tuple[int, int, int, int]]] = [[] for _ in prompts]  # (block, drafted, accepted, emitted)
-        finished_at = [0] * len(prompts)  # the block in which each row stopped
-        display_seconds = 0.0
         while active:
             # never draft past the limit: the block's own token needs one of the remaining slots
             remaining = max(max_new_tokens - len(results[row].token_ids) for row in active)
             gamma = min(self.gamma, remaining - 1)
-            block_start = clock.mark()
+            block_start = self.clock.mark()
             if self.tree is not None and gamma:
                 tree_start = list(self.target.lengths)  # the slot of each row's root
                 drafts, num_accepted, next_token, path, verified, draft_end = self._tree_block(
@@ -204,28 +251,16 @@ class SpeculativeDecoder:
                 )
             else:
                 path = None
-                drafts, draft_probs = (
-                    self.drafter.propose(gamma, self.params, generator) if gamma else (last_token[:, :0], None)
+                drafts, num_accepted, next_token, verified, draft_end = self._chain_block(
+                    last_token, gamma, generator, wants_states
                 )
-                draft_end = clock.mark()
-                verified = self.target.forward(torch.cat([last_token, drafts.clamp_min(0)], dim=1), hidden=wants_states)
-                logits = verified.logits  # [B, g + 1, V]
-                if self.params.greedy:
-                    num_accepted, next_token = verify_greedy(drafts, logits)
-                else:
-                    target_probs = warp(logits, self.params)
-                    if draft_probs is None:  # target-only: nothing to test, sample from p
-                        draft_probs = target_probs[:, :0]
-                    verify = verify_block if self.verification == "block" else verify_sampled
-                    num_accepted, next_token = verify(drafts, draft_probs, target_probs, generator)
             width = drafts.shape[1]
             # the one host sync of the block: accepted counts, next tokens and the draft ids together
             host = to_host(torch.cat([num_accepted, next_token, drafts.flatten()]))
             batch = len(active)
             accepted, tokens = host[:batch], host[batch : 2 * batch]
             draft_ids = [host[2 * batch + i * width : 2 * batch + (i + 1) * width] for i in range(batch)]
-            marks.append(BlockMarks(block_start, draft_end, clock.mark()))
-            block_rows.append(batch)
+            timeline.block(block_start, draft_end, batch)
 
             if path is not None:
                 self.target.compact(tree_start, path, [a + 1 for a in accepted])
@@ -242,15 +277,12 @@ class SpeculativeDecoder:
                 emitted, stopped = self._emit(
                     results[row], draft_ids[i][: accepted[i]] + [tokens[i]], ignore_eos, max_new_tokens
                 )
-                row_blocks[row].append((len(marks) - 1, sum(t >= 0 for t in draft_ids[i]), accepted[i], emitted))
-                if stopped:
-                    finished_at[row] = len(marks) - 1
-                else:
+                timeline.step(row, sum(t >= 0 for t in draft_ids[i]), accepted[i], emitted, stopped)
+                if not stopped:
                     staying.append(i)
             if on_tokens is not None:  # showing tokens is not decoding: keep it off the clock
-                shown = time.perf_counter()
-                on_tokens(results[0].token_ids[-emitted:], min(accepted[0], emitted))  # the one row's block
-                display_seconds += time.perf_counter() - shown
+                with timeline.off_clock():
+                    on_tokens(results[0].token_ids[-emitted:], min(accepted[0], emitted))  # the one row's block
             if len(staying) < batch and staying:  # rows that stopped leave the caches
                 self.target.keep(staying)
                 if self.drafter is not None:
@@ -259,20 +291,29 @@ class SpeculativeDecoder:
             last_token = (
                 next_token[to_device(staying, device)][:, None] if len(staying) < batch else next_token[:, None]
             )
-
-        # each row's step carries its share of the block's time, so sums over rows are wall time
-        times = [
-            (clock.seconds(m.start, m.drafted_at) / rows, clock.seconds(m.drafted_at, m.verified_at) / rows)
-            for m, rows in zip(marks, block_rows)
-        ]
-        for row, result in enumerate(results):
-            result.prefill_seconds = prefill_seconds
-            result.decode_seconds = clock.seconds(decode_start, marks[finished_at[row]].verified_at) - display_seconds
-            result.steps = [
-                StepRecord(drafted=d, accepted=a, emitted=e, draft_seconds=times[b][0], verify_seconds=times[b][1])
-                for b, d, a, e in row_blocks[row]
-            ]
+        timeline.fill(results)
         return results
+
+    def _chain_block(
+        self, last_token: torch.Tensor, gamma: int, generator: torch.Generator, wants_states: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Output, object]:
+        """Draft a chain of `gamma` (none: the target alone), verify it in one target forward. Returns
+        the drafts [B, gamma] (-1: not drafted), num_accepted [B], next_token [B], the target's output,
+        and the clock mark after drafting."""
+        drafts, draft_probs = (
+            self.drafter.propose(gamma, self.params, generator) if gamma else (last_token[:, :0], None)
+        )
+        draft_end = self.clock.mark()
+        verified = self.target.forward(torch.cat([last_token, drafts.clamp_min(0)], dim=1), hidden=wants_states)
+        if self.params.greedy:
+            num_accepted, next_token = verify_greedy(drafts, verified.logits)
+        else:
+            target_probs = warp(verified.logits, self.params)
+            if draft_probs is None:  # target-only: nothing to test, sample from p
+                draft_probs = target_probs[:, :0]
+            verify = verify_block if self.verification == "block" else verify_sampled
+            num_accepted, next_token = verify(drafts, draft_probs, target_probs, generator)
+        return drafts, num_accepted, next_token, verified, draft_end
 
     def _tree_block(
         self, last_token: torch.Tensor, start: list[int], depth: int, generator: torch.Generator, wants_states: bool
