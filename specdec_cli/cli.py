@@ -193,7 +193,8 @@ def benchmark(
         Optional[str],
         typer.Option(
             help="Also measure a peer on the same prompts: hf (transformers' generate(), alone and with its "
-            "assisted generation or prompt lookup)."
+            "assisted generation or prompt lookup) or vllm (vLLM, alone and with the config's draft; needs "
+            "`specdec setup-vllm`)."
         ),
     ] = None,
     batch_sizes: Annotated[
@@ -465,6 +466,23 @@ def distill(
         format=draft_format.value,
     )
     distillation.distill(cfg, texts, settings, out, keep_work, answers)
+
+
+@app.command(
+    "setup-vllm",
+    epilog="""Examples:\n
+  specdec setup-vllm\n
+  specdec setup-vllm && specdec benchmark -c smollm2-ngram --peer vllm""",
+)
+@reports_errors
+def setup_vllm() -> None:
+    """Create vLLM's own environment under the specdec cache (~/.cache/specdec/vllm-venv) with vLLM's
+    CPU build, or its CUDA build where nvidia-smi is found, for `benchmark --peer vllm`. Several GB.
+    To use another install instead, set SPECDEC_VLLM_PYTHON to a python that has vllm."""
+    from specdec_cli.vllm_engine.install import setup_vllm as install
+
+    python = install()
+    print(f"vLLM is set up: {python}")
 
 
 def _interrupt(signum, frame) -> None:

@@ -201,6 +201,11 @@ class Config:
         return f"{self.speculation.verification} verification"
 
 
+def cache_dir() -> Path:
+    """Where specdec keeps converted checkpoints and vLLM's environment."""
+    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec")).expanduser()
+
+
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
