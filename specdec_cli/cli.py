@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from specdec_cli.bench.plan import choose_prompts, make_plan, parse_list
-from specdec_cli.bench.prompts import load_prompts
+from specdec_cli.bench.prompts import Prompt, load_prompts
 from specdec_cli.bench.report import compare as compare_records
 from specdec_cli.config import parse_tree
 from specdec_cli.errors import SpecdecError
@@ -66,6 +66,11 @@ def root(
     """Run and measure exact speculative decoding."""
 
 
+class Engine(str, Enum):
+    specdec = "specdec"
+    vllm = "vllm"
+
+
 class DraftFormat(str, Enum):
     specdec = "specdec"
     eagle3 = "eagle3"
@@ -90,6 +95,13 @@ def generate(
         ),
     ] = None,
     batch_size: Annotated[int, typer.Option(min=1, help="Prompts decoded together (with --prompts).")] = 1,
+    engine: Annotated[
+        Engine,
+        typer.Option(
+            help="specdec's loop, or vllm: the config in vLLM (after `specdec setup-vllm`), with runtime's tensor "
+            "and pipeline parallel sizes; the prompts go to vLLM at once, its scheduler batches them."
+        ),
+    ] = Engine.specdec,
     config: ConfigOpt = None,
     raw: Annotated[bool, typer.Option("--raw", help="Do not apply the chat template.")] = False,
     temperature: TemperatureOpt = None,
@@ -130,15 +142,22 @@ def generate(
         runtime__dtype=dtype,
         runtime__threads=threads,
     )
+    if prompts is not None and (prompt is not None or prompt_file is not None):
+        raise SpecdecError("give one of --prompt, --prompt-file and --prompts")
+    if batch_size != 1 and prompts is None:
+        raise SpecdecError("--batch-size needs --prompts (a single prompt is one row)")
+    if batch_size != 1 and engine == Engine.vllm:
+        raise SpecdecError("--batch-size is specdec's: vLLM schedules its own batches")
+    if engine == Engine.vllm:
+        from specdec_cli.generate import generate_vllm
+
+        many = load_prompts(prompts) if prompts else [Prompt("1", "prompt", [read_prompt(prompt, prompt_file)])]
+        return generate_vllm(cfg, many, raw, as_json)
     if prompts is not None:
-        if prompt is not None or prompt_file is not None:
-            raise SpecdecError("give one of --prompt, --prompt-file and --prompts")
         many = load_prompts(prompts)
         from specdec_cli.generate import generate_many  # torch/transformers load only once arguments are fine
 
         return generate_many(cfg, many, raw, batch_size, as_json)
-    if batch_size != 1:
-        raise SpecdecError("--batch-size needs --prompts (a single prompt is one row)")
     text = read_prompt(prompt, prompt_file)
     from specdec_cli.generate import generate_one
 

@@ -146,7 +146,7 @@ def build_corpus(
     each answer position. Written in shards of one generation batch, so a restart keeps what is done:
     first the answers to `prompts`, then the synthetic prompts' (greedy and sampled batches in turn)."""
     pad = padding_id(tokenizer)
-    eos = eos_token_ids(target, tokenizer)
+    eos = eos_token_ids(target.generation_config, tokenizer)
     groups = corpus_batches(len(prompts), settings.answers_per_prompt)
     synthetic = [
         min(GENERATION_BATCH, settings.synthetic_prompts - start)
@@ -574,7 +574,9 @@ def train(
     add_target_features(target, corpus, pad, work, taps)
     torch.manual_seed(settings.seed)
     vocab_size = target.get_output_embeddings().weight.shape[0]
-    token_ids = choose_vocabulary(training, vocab_size, settings.draft_vocab, eos_token_ids(target, tokenizer))
+    token_ids = choose_vocabulary(
+        training, vocab_size, settings.draft_vocab, eos_token_ids(target.generation_config, tokenizer)
+    )
     to_subset = torch.full((vocab_size,), -1, dtype=torch.long)
     to_subset[token_ids] = torch.arange(len(token_ids))
     if settings.format == "eagle3":

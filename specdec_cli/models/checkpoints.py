@@ -27,6 +27,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
@@ -38,6 +39,7 @@ from specdec_cli.config import ModelSpec, TinyModel, cache_dir, local_path
 from specdec_cli.errors import FetchError, SpecdecError
 from specdec_cli.models.decode_matmul import use_decode_matmul
 from specdec_cli.models.formats import WEIGHTS, index_files, load_format, tier_files
+from specdec_cli.models.tokens import eos_token_ids
 
 
 @dataclass(frozen=True)
@@ -145,6 +147,21 @@ def model_folder(spec: ModelSpec, fetch: bool = False) -> str:
         shutil.rmtree(folder, ignore_errors=True)
         partial.rename(folder)
     return str(folder)
+
+
+def load_tokenizer(spec: ModelSpec) -> tuple[PreTrainedTokenizerBase, set[int]]:
+    """A model's tokenizer and EOS ids without its weights, for another engine that runs it (vLLM)."""
+    folder = model_folder(spec)
+    kwargs = {"revision": spec.revision, "trust_remote_code": spec.trust_remote_code}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise SpecdecError(f"cannot load the tokenizer of {spec.describe()!r}: {first_lines(exc)}") from None
+    try:
+        generation = GenerationConfig.from_pretrained(folder, **kwargs)
+    except OSError:  # none saved: the tokenizer's EOS alone
+        generation = GenerationConfig()
+    return tokenizer, eos_token_ids(generation, tokenizer)
 
 
 def fetch_builtin(name: str) -> Path:
