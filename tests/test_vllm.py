@@ -257,3 +257,28 @@ def test_generate_in_vllm_gives_specdecs_greedy_tokens(files):
     specdec_rows = json.loads(ours.stdout)["rows"]
     assert [r["token_ids"] for r in record["rows"]] == [r["token_ids"] for r in specdec_rows]
     assert record["stats"]["mean_accepted_length"] > 1  # the n-gram drafts of vLLM's speculative_config
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not has_vllm(), reason="vLLM is not set up: specdec setup-vllm")
+def test_an_eagle3_export_drafts_in_vllm_with_specdecs_greedy_tokens(files, tmp_path):
+    """`specdec distill --format eagle3` writes a draft vLLM loads as its eagle3 method: a change to the
+    export that vLLM cannot read fails here."""
+    target = {**VLLM_TINY["target"]["tiny"], "num_layers": 4}  # EAGLE-3 reads 3 distinct layer inputs
+    config = tmp_path / "target.yaml"
+    config.write_text(yaml.safe_dump({"name": "t", "target": {"tiny": target}, "draft": {"ngram": {}}}))
+    out = tmp_path / "eagle3"
+    options = "--vocab 96 --steps 40 --answers-per-prompt 2 --synthetic-prompts 4 --answer-tokens 16 --eval-every 40"
+    distilled = runner.invoke(
+        app,
+        ["distill", "-c", str(config), "--out", str(out), "--prompts", str(files[1]), "--format", "eagle3"]
+        + ["--target-layers", "3,1,2", "--dtype", "float32", *options.split()],
+    )
+    assert distilled.exit_code == 0, distilled.output
+    pair = tmp_path / "pair.yaml"
+    pair.write_text(yaml.safe_dump({**VLLM_TINY, "target": {"tiny": target}, "draft": {"checkpoint": str(out)}}))
+    code, out_text, err = benchmark(pair, files[1], "--peer", "vllm", "--warmup", "0", "--json")
+    assert code == 0, err
+    speculative = next(r for r in json.loads(out_text)["peers"] if r["engine"] == "vllm" and r["gamma"])
+    assert speculative["greedy_identical"] == len(PROMPTS)
+    assert speculative["peer_acceptance_by_position"] is not None  # vLLM's eagle3 drafted
