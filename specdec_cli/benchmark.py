@@ -7,7 +7,7 @@ from dataclasses import asdict
 
 from specdec_cli import display, records
 from specdec_cli.bench import charts
-from specdec_cli.bench.plan import Mode, Plan
+from specdec_cli.bench.plan import HF, VLLM, Mode, Plan
 from specdec_cli.bench.prompts import Prompt
 from specdec_cli.bench.report import (
     batch_report,
@@ -33,16 +33,25 @@ def execute(
     min_speedup: float | None,
     min_accept_length: float | None,
 ) -> None:
+    if plan.peer == VLLM:
+        from specdec_cli.vllm_engine.client import vllm_python
+
+        vllm_python()  # before any work: without vLLM's environment the run could not finish
     with display.stderr.status(f"Loading {cfg.target.describe()} and {cfg.draft.describe()}..."):
         pair = load_pair(cfg)
-    caption = None
-    if plan.peer:
+    caption, note = None, None
+    if plan.peer == HF:
         from specdec_cli.bench.peers import hf_drafting, peer_caption
 
         plan.peer_drafting, note = hf_drafting(pair)
         caption = peer_caption(plan.peer_drafting, note)
-        if note:
-            display.stderr.print(f"Note: {note}")
+    elif plan.peer == VLLM:
+        from specdec_cli.bench.vllm_peer import VLLM_FAIRNESS, vllm_drafting
+
+        plan.peer_drafting, note = vllm_drafting(pair, plan.gammas)
+        caption = " ".join([VLLM_FAIRNESS] + ([note] if note else []))
+    if note:
+        display.stderr.print(f"Note: {note}")
     modes = plan.modes()
     with display.progress() as progress:
         task = progress.add_task(f"warm-up ({plan.warmup} per mode)", total=len(prompts) * len(modes))
@@ -56,6 +65,24 @@ def execute(
 
         runs, partial = run_benchmark(pair, prompts, plan, on_run)
         progress.update(task, completed=len(runs))
+        peer_version = None
+        if plan.peer == VLLM and not partial:
+            from specdec_cli.bench.vllm_peer import run_vllm
+
+            total = len(prompts) * sum(len(modes) for modes in plan.vllm_modes().values())
+            vllm_task = progress.add_task("vllm: starting an engine", total=total)
+            started = []  # the runs begun so far
+
+            def on_vllm_run(i: int, n: int, prompt: Prompt, mode: Mode) -> None:
+                progress.update(
+                    vllm_task, completed=len(started), description=f"prompt {i + 1}/{n} {prompt.id}: {mode.label}"
+                )
+                started.append(mode)
+
+            vllm_runs, partial, version = run_vllm(pair, prompts, plan, on_vllm_run)
+            progress.update(vllm_task, completed=len(started))
+            runs += vllm_runs
+            peer_version = {"vllm": version}
         batch_runs = []
         if len(plan.batch_sizes) > 1 and not partial:
             batched = plan.batch_modes()
@@ -84,6 +111,7 @@ def execute(
         "summary": summary,
         "peers": peers,
         "peer_fairness": caption,
+        "peer_versions": peer_version,
         "batch_summary": batch_summary,
         "prompt_set": [asdict(p) for p in prompts],
         "runs": runs,

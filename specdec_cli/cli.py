@@ -12,7 +12,7 @@ import typer
 
 from specdec_cli import records
 from specdec_cli.bench.plan import choose_prompts, make_plan, parse_list
-from specdec_cli.bench.prompts import load_prompts
+from specdec_cli.bench.prompts import Prompt, load_prompts
 from specdec_cli.config import parse_tree
 from specdec_cli.errors import SpecdecError
 from specdec_cli.options import (
@@ -68,6 +68,11 @@ def root(
     """Run and measure exact speculative decoding."""
 
 
+class Engine(str, Enum):
+    specdec = "specdec"
+    vllm = "vllm"
+
+
 class DraftFormat(str, Enum):
     specdec = "specdec"
     eagle3 = "eagle3"
@@ -92,6 +97,13 @@ def generate(
         ),
     ] = None,
     batch_size: Annotated[int, typer.Option(min=1, help="Rows decoded together: prompts of --prompts per batch.")] = 1,
+    engine: Annotated[
+        Engine,
+        typer.Option(
+            help="specdec's loop, or vllm: the config in vLLM (after `specdec setup-vllm`), with runtime's tensor "
+            "and pipeline parallel sizes; the prompts go to vLLM at once, its scheduler batches them."
+        ),
+    ] = Engine.specdec,
     config: ConfigOpt = None,
     raw: Annotated[bool, typer.Option("--raw", help="Do not apply the chat template.")] = False,
     temperature: TemperatureOpt = None,
@@ -132,15 +144,22 @@ def generate(
         runtime__dtype=dtype,
         runtime__threads=threads,
     )
+    if prompts is not None and (prompt is not None or prompt_file is not None):
+        raise SpecdecError("give one of --prompt, --prompt-file and --prompts")
+    if batch_size != 1 and prompts is None:
+        raise SpecdecError("--batch-size needs --prompts (a single prompt is one row)")
+    if batch_size != 1 and engine == Engine.vllm:
+        raise SpecdecError("--batch-size is specdec's: vLLM schedules its own batches")
+    if engine == Engine.vllm:
+        from specdec_cli.generate import generate_vllm
+
+        many = load_prompts(prompts) if prompts else [Prompt("1", "prompt", [read_prompt(prompt, prompt_file)])]
+        return generate_vllm(cfg, many, raw, as_json)
     if prompts is not None:
-        if prompt is not None or prompt_file is not None:
-            raise SpecdecError("give one of --prompt, --prompt-file and --prompts")
         many = load_prompts(prompts)
         from specdec_cli.generate import generate_many  # torch/transformers load only once arguments are fine
 
         return generate_many(cfg, many, raw, batch_size, as_json)
-    if batch_size != 1:
-        raise SpecdecError("--batch-size needs --prompts (a single prompt is one row)")
     text = read_prompt(prompt, prompt_file)
     from specdec_cli.generate import generate_one
 
@@ -195,7 +214,8 @@ def benchmark(
         Optional[str],
         typer.Option(
             help="Also measure a peer on the same prompts: hf (transformers' generate(), alone and with its "
-            "assisted generation or prompt lookup)."
+            "assisted generation or prompt lookup) or vllm (vLLM, alone and with the config's draft; needs "
+            "`specdec setup-vllm`)."
         ),
     ] = None,
     batch_sizes: Annotated[
@@ -487,6 +507,23 @@ def distill(
         format=draft_format.value,
     )
     distillation.distill(cfg, texts, settings, out, keep_work, answers)
+
+
+@app.command(
+    "setup-vllm",
+    epilog="""Examples:\n
+  specdec setup-vllm\n
+  specdec setup-vllm && specdec benchmark -c smollm2-ngram --peer vllm""",
+)
+@reports_errors
+def setup_vllm() -> None:
+    """Create vLLM's own environment under the specdec cache (~/.cache/specdec/vllm-venv) with vLLM's
+    CPU build, or its CUDA build where nvidia-smi is found, for `benchmark --peer vllm`. Several GB.
+    To use another install instead, set SPECDEC_VLLM_PYTHON to a python that has vllm."""
+    from specdec_cli.vllm_engine.install import setup_vllm as install
+
+    python = install()
+    print(f"vLLM is set up: {python}")
 
 
 def _interrupt(signum, frame) -> None:

@@ -171,6 +171,9 @@ class Runtime:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     threads: int | None = None  # CPU threads for torch; None keeps torch's default
+    # with --engine vllm: vLLM's tensor and pipeline parallel sizes (GPUs per model copy, vLLM's own launch)
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
 
 @dataclass
@@ -200,6 +203,11 @@ class Config:
     def describe_verification(self) -> str:
         """The verification rule, for titles beside the draft lengths."""
         return f"{self.speculation.verification} verification"
+
+
+def cache_dir() -> Path:
+    """Where specdec keeps converted checkpoints and vLLM's environment."""
+    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec")).expanduser()
 
 
 def _type_name(tp: Any) -> str:
@@ -364,6 +372,9 @@ def validate(config: Config) -> None:
     cpus = os.cpu_count() or 1
     if r.threads is not None and not 1 <= r.threads <= cpus:
         raise SpecdecError(f"threads must be between 1 and {cpus} (the CPUs of this machine), got {r.threads}")
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if getattr(r, name) < 1:
+            raise SpecdecError(f"runtime.{name} must be >= 1, got {getattr(r, name)}")
     for role, spec in (("target", config.target), ("draft", config.draft)):
         sources = [s for s in ("checkpoint", "tiny", "ngram") if getattr(spec, s, None) is not None]
         allowed = "`checkpoint`, `tiny` or `ngram`" if role == "draft" else "`checkpoint` or `tiny`"

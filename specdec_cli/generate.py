@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from transformers import PreTrainedTokenizerBase
+
 from specdec_cli import display, records
 from specdec_cli.bench.prompts import Prompt
 from specdec_cli.config import Config
 from specdec_cli.decoding.engine import GenerationResult, combined
 from specdec_cli.decoding.params import SamplingParams
-from specdec_cli.models.pair import Pair, load_pair
+from specdec_cli.models.checkpoints import load_tokenizer
+from specdec_cli.models.pair import Pair, load_pair, resolve_device, resolve_dtype
+from specdec_cli.models.tokens import encode_prompt
 
 
 def load(cfg: Config) -> Pair:
@@ -100,20 +104,41 @@ def generate_many(cfg: Config, prompts: list[Prompt], raw: bool, batch_size: int
         except KeyboardInterrupt:
             partial = True
     results = [r for rows in batches for r in rows]
+    overall = combined(batches).stats(decoder.gamma) if batches else None
+    record.update(partial=partial)
+    report_many(cfg, record, prompts, encoded, results, overall, pair.tokenizer, decoder.gamma, as_json, batch_size)
+    if partial:
+        display.stderr.print("Interrupted: the record holds the finished batches (partial: true).")
+        raise KeyboardInterrupt
+
+
+def report_many(
+    cfg: Config,
+    record: dict,
+    prompts: list[Prompt],
+    encoded: list[list[int]],
+    results: list[GenerationResult],
+    overall: dict | None,
+    tokenizer: PreTrainedTokenizerBase,
+    gamma: int,
+    as_json: bool,
+    batch_size: int | None,
+) -> None:
+    """Each prompt's answer, then a table with a row per prompt and one overall; the record gets the
+    rows. `batch_size`: specdec's batches (None: the engine batched the prompts itself)."""
     rows = [
         {
             "prompt_id": p.id,
             "category": p.category,
             "prompt": p.turns[0],
             "prompt_ids": ids,
-            "text": pair.tokenizer.decode(r.token_ids, skip_special_tokens=True),
+            "text": tokenizer.decode(r.token_ids, skip_special_tokens=True),
             "token_ids": r.token_ids,
-            "stats": r.stats(decoder.gamma),
+            "stats": r.stats(gamma),
         }
         for p, ids, r in zip(prompts, encoded, results)
     ]
-    overall = combined(batches).stats(decoder.gamma) if batches else None
-    record.update(partial=partial, rows=rows, stats=overall)
+    record.update(rows=rows, stats=overall)
     written = records.write_record("generate", cfg.name, record)
     if as_json:
         print(records.dumps(record))
@@ -122,10 +147,52 @@ def generate_many(cfg: Config, prompts: list[Prompt], raw: bool, batch_size: int
             display.stdout.print(f"[bold]── {row['prompt_id']} ({row['category']})[/]")
             display.stdout.print(row["text"], markup=False)
         if overall:
-            display.stderr.print(
-                display.batch_table(rows, overall, record["environment"], title(cfg, f", batches of {batch_size}"))
-            )
+            batches = f", batches of {batch_size}" if batch_size else ""
+            display.stderr.print(display.batch_table(rows, overall, record["environment"], title(cfg, batches)))
     display.stderr.print(written)
-    if partial:
-        display.stderr.print("Interrupted: the record holds the finished batches (partial: true).")
-        raise KeyboardInterrupt
+
+
+def generate_vllm(cfg: Config, prompts: list[Prompt], raw: bool, as_json: bool) -> None:
+    """The config in vLLM (its own environment: setup-vllm) instead of specdec's loop: the prompts' first
+    turns, encoded by specdec, in one call that vLLM schedules itself; the draft as its speculative_config.
+    Times are the call's, end to end."""
+    from specdec_cli.vllm_engine.client import VllmWorker, vllm_python
+    from specdec_cli.vllm_engine.settings import engine_settings, sampling, speculative_config, vllm_steps
+
+    vllm_python()  # before any loading: one line when vLLM is not set up
+    tokenizer, eos = load_tokenizer(cfg.target)
+    encoded = [encode_prompt(tokenizer, p.turns[0], raw) for p in prompts]
+    gamma = cfg.speculation.num_draft_tokens
+    speculative = speculative_config(cfg.draft, gamma)
+    dtype = str(resolve_dtype(cfg.runtime.dtype, resolve_device(cfg.runtime.device))).removeprefix("torch.")
+    settings = engine_settings(cfg, dtype, speculative)
+    params = SamplingParams.from_config(cfg.sampling)
+    ignore_eos = cfg.generation.ignore_eos
+    with display.stderr.status(f"Starting vLLM with {cfg.target.describe()} and {cfg.draft.describe()}..."):
+        worker = VllmWorker(settings)
+    with worker, display.stderr.status(f"Generating {len(prompts)} answer(s) in vLLM..."):
+        reply = worker.generate(
+            encoded, sampling(params, cfg.sampling.seed, cfg.generation.max_new_tokens, eos, ignore_eos)
+        )
+    results = []
+    for ids, output in zip(encoded, reply["outputs"]):
+        tokens = output["token_ids"]
+        stop = "eos" if tokens and tokens[-1] in eos and not ignore_eos else "length"
+        steps = vllm_steps(output["spec_decode"], len(tokens))
+        results.append(GenerationResult(ids, tokens, steps, decode_seconds=reply["seconds"], stop_reason=stop))
+    environment = {
+        "engine": "vllm",
+        "vllm": worker.version,
+        "dtype": dtype,
+        "tensor_parallel_size": cfg.runtime.tensor_parallel_size,
+        "pipeline_parallel_size": cfg.runtime.pipeline_parallel_size,
+    }
+    record = {
+        **records.header("generate", cfg, environment),
+        "engine": "vllm",
+        "speculative_config": speculative,
+        "raw": raw,
+        "seed": cfg.sampling.seed,
+    }
+    overall = combined([results]).stats(gamma)
+    report_many(cfg, record, prompts, encoded, results, overall, tokenizer, gamma, as_json, None)

@@ -12,9 +12,9 @@ from specdec_cli.config import Config, TreeShape
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.errors import SpecdecError
 
-SPECDEC, HF = "specdec", "hf"  # engines; HF alone is transformers' plain generate()
+SPECDEC, HF, VLLM = "specdec", "hf", "vllm"  # engines; HF alone is transformers' plain generate()
 HF_ASSISTED, HF_LOOKUP = "hf assisted", "hf prompt lookup"  # the hf peer's speculative engines
-PEERS = (HF,)
+PEERS = (HF, VLLM)
 QUICK_LIMIT = 1  # prompts per category of the built-in suite when neither --prompts nor --limit is given
 
 
@@ -48,7 +48,8 @@ class Plan:
     top_k: int
     top_p: float
     peer: str | None = None
-    peer_drafting: str | None = None  # the peer's speculative engine, chosen once the models are loaded
+    # the peer's speculative engine, chosen once the models are loaded (None: the peer runs the target alone)
+    peer_drafting: str | None = None
     batch_sizes: list[int] = field(default_factory=lambda: [1])  # > 1: specdec also decodes prompts together
     trees: list[TreeShape] = field(default_factory=list)  # draft trees, measured beside the chains
 
@@ -62,23 +63,28 @@ class Plan:
 
     def batch_modes(self) -> list[tuple[int, Mode]]:
         """(batch size, mode) of the batched runs: target-only, each gamma and each tree per temperature,
-        and the peer's plain batched generate() (transformers' speculative decoding refuses batches)."""
+        and the hf peer's plain batched generate() (transformers' speculative decoding refuses batches)."""
         modes = []
         for size in (b for b in self.batch_sizes if b > 1):
             for t in self.temperatures:
                 modes += [(size, mode) for mode in self.specdec_modes(t)]
-                modes += [(size, Mode(t, 0, self.peer))] if self.peer else []
+                modes += [(size, Mode(t, 0, HF))] if self.peer == HF else []
         return modes
 
     def modes(self) -> list[Mode]:
-        """Per temperature: the baseline first, then each gamma and each tree, then the peer alone and
-        its run of each gamma."""
+        """Per temperature: the baseline first, then each gamma and each tree, then the hf peer alone and
+        its run of each gamma (vLLM's modes run apart, one engine at a time: vllm_modes)."""
         modes = []
         for t in self.temperatures:
             modes += self.specdec_modes(t)
-            if self.peer:
-                modes += [Mode(t, 0, self.peer)] + [Mode(t, g, self.peer_drafting) for g in self.gammas]
+            if self.peer == HF:
+                modes += [Mode(t, 0, HF)] + [Mode(t, g, self.peer_drafting) for g in self.gammas]
         return modes
+
+    def vllm_modes(self) -> dict[int, list[Mode]]:
+        """vLLM's modes by gamma (an engine each; 0: the target alone), every temperature in each."""
+        gammas = [0] + (self.gammas if self.peer_drafting else [])
+        return {g: [Mode(t, g, VLLM) for t in self.temperatures] for g in gammas} if self.peer == VLLM else {}
 
 
 def parse_list(text: str | None, kind: type, option: str) -> list | None:

@@ -141,6 +141,15 @@ def detail_report(summary: list[dict], rule: str) -> Report:
     return Report(f"Overall, {rule}", ["metric"] + [mode_label(r) for r in overall], rows, LEVIATHAN)
 
 
+def _positions(rates: list[float | None] | None) -> str:
+    return "n/a" if not rates else " ".join(fmt(p, ".2f") for p in rates)
+
+
+def _sides(row: dict, name: str, cell) -> str:
+    """The peer's and specdec's value of `name`, as "peer / specdec"."""
+    return f"{cell(row.get(f'peer_{name}'))} / {cell(row.get(f'specdec_{name}'))}"
+
+
 def peer_report(peers: list[dict], caption: str) -> Report:
     rows = [
         [
@@ -153,6 +162,9 @@ def peer_report(peers: list[dict], caption: str) -> Report:
             f"{r['specdec_tokens_per_second'][0] / r['peer_tokens_per_second'][0]:.2f}×"
             if r["peer_tokens_per_second"][0]
             else "n/a",
+            _sides(r, "end_to_end_speedup", lambda x: fmt(x, ".2f", "×")),
+            _sides(r, "mean_accepted_length", fmt),
+            _sides(r, "acceptance_by_position", _positions),
             "n/a" if r["greedy_identical"] is None else f"{r['greedy_identical']}/{r['prompts']}",
         ]
         for r in peers
@@ -165,6 +177,9 @@ def peer_report(peers: list[dict], caption: str) -> Report:
         "peer tok/s",
         "specdec tok/s",
         "specdec / peer",
+        "speedup peer / specdec",
+        "acc len peer / specdec",
+        "acceptance by position peer / specdec",
         "same greedy tokens",
     ]
     return Report("Peers (end-to-end tok/s, prefill + decode)", header, rows, caption)

@@ -60,19 +60,29 @@ def run_prompt(pair: Pair, prompt: Prompt, generate: TurnGenerator, plan: Plan) 
 OnRun = Callable[[int, int, Prompt, Mode], None]
 
 
+# Makes the generator of a mode: (pair, mode, plan, max_new_tokens) -> TurnGenerator
+MakeGenerator = Callable[[Pair, Mode, Plan, int], TurnGenerator]
+
+
 def run_benchmark(
-    pair: Pair, prompts: list[Prompt], plan: Plan, on_run: OnRun | None = None
+    pair: Pair,
+    prompts: list[Prompt],
+    plan: Plan,
+    on_run: OnRun | None = None,
+    modes: list[Mode] | None = None,
+    make: MakeGenerator = make_generator,
 ) -> tuple[list[dict], bool]:
-    """Measure every prompt in every mode. Returns (runs, partial): Ctrl-C stops early and keeps only
-    the prompts measured in every mode, so baselines and speculative runs cover the same prompts."""
-    modes = plan.modes()
-    generators = {m: make_generator(pair, m, plan, plan.max_new_tokens) for m in modes}
+    """Measure every prompt in every mode (default: the plan's). Returns (runs, partial): Ctrl-C stops
+    early and keeps only the prompts measured in every mode, so baselines and speculative runs cover
+    the same prompts."""
+    modes = plan.modes() if modes is None else modes
+    generators = {m: make(pair, m, plan, plan.max_new_tokens) for m in modes}
     runs: list[dict] = []
     try:
         if plan.warmup and prompts:
             first = Prompt(prompts[0].id, prompts[0].category, prompts[0].turns[:1])
             for mode in modes:  # short generations that pay one-time costs; not recorded
-                warm = make_generator(pair, mode, plan, min(WARMUP_TOKENS, plan.max_new_tokens))
+                warm = make(pair, mode, plan, min(WARMUP_TOKENS, plan.max_new_tokens))
                 for _ in range(plan.warmup):
                     run_prompt(pair, first, warm, plan)
         for i, prompt in enumerate(prompts):

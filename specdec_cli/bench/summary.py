@@ -142,10 +142,31 @@ def summarize(runs: list[dict]) -> list[dict]:
     return out
 
 
+def _end_to_end_speedup(baseline: dict[str, dict], speculative: list[dict]) -> float | None:
+    """Speculative end-to-end tok/s over the same engine's target-only run of the same prompts, per
+    repeat as Spec-Bench's speedup, then the median; None for a target-only run or without a baseline."""
+    if not speculative[0]["gamma"] or not all(r["prompt_id"] in baseline for r in speculative):
+        return None
+    base = [baseline[r["prompt_id"]] for r in speculative]
+    key = "end_to_end_tokens_per_second"
+    return median_and_spread([speedup(b, s) for b, s in zip(_group_tps(base, key), _group_tps(speculative, key))])[0]
+
+
+def _acceptance(runs: list[dict], gamma: int) -> dict:
+    """specdec's acceptance numbers of speculative runs (None: target-only, or a peer that records no steps)."""
+    steps = [s for r in runs for s in steps_of(r)]
+    drafted = gamma and any(s.drafted for s in steps)
+    return {
+        "mean_accepted_length": mean_accepted_length(steps) if drafted else None,
+        "acceptance_by_position": acceptance_by_position(steps, gamma) if drafted else None,
+    }
+
+
 def summarize_peers(runs: list[dict]) -> list[dict]:
     """Per peer mode, the peer beside specdec's speculative run of the same prompts at the same temperature:
     the same gamma, or each gamma for the peer's target-only run. As end-to-end tokens/s (prefill +
-    decode), because transformers' generate() does not time them apart."""
+    decode), because transformers' generate() does not time them apart; each side's speedup over its own
+    target-only run, and its acceptance in specdec's definitions where the peer reports its steps (vLLM)."""
     out = []
     key = "end_to_end_tokens_per_second"
     gammas = sorted({r["gamma"] for r in runs if r["engine"] == SPECDEC and not r.get("tree")} - {0})
@@ -153,11 +174,14 @@ def summarize_peers(runs: list[dict]) -> list[dict]:
         {(r["temperature"], r["gamma"], r["engine"]) for r in runs if r["engine"] != SPECDEC}
     ):
         peers = _by_prompt(runs, engine, temperature, gamma)
+        # the peer's target alone: its engine's first word ("hf prompt lookup" -> "hf")
+        peer_base = _by_prompt(runs, engine.split()[0], temperature, 0)
         for specdec_gamma in [gamma] if gamma else gammas:
             ours = _by_prompt(runs, SPECDEC, temperature, specdec_gamma)
             ids = [i for i in peers if i in ours]
             if ids:
                 ours_runs, peer_runs = [ours[i] for i in ids], [peers[i] for i in ids]
+                peer_acceptance, our_acceptance = _acceptance(peer_runs, gamma), _acceptance(ours_runs, specdec_gamma)
                 out.append(
                     {
                         "engine": engine,
@@ -167,6 +191,14 @@ def summarize_peers(runs: list[dict]) -> list[dict]:
                         "prompts": len(ids),
                         "specdec_tokens_per_second": _mean_tps(ours_runs, key),
                         "peer_tokens_per_second": _mean_tps(peer_runs, key),
+                        "specdec_end_to_end_speedup": _end_to_end_speedup(
+                            _by_prompt(runs, SPECDEC, temperature, 0), ours_runs
+                        ),
+                        "peer_end_to_end_speedup": _end_to_end_speedup(peer_base, peer_runs),
+                        "peer_mean_accepted_length": peer_acceptance["mean_accepted_length"],
+                        "specdec_mean_accepted_length": our_acceptance["mean_accepted_length"],
+                        "peer_acceptance_by_position": peer_acceptance["acceptance_by_position"],
+                        "specdec_acceptance_by_position": our_acceptance["acceptance_by_position"],
                         "greedy_identical": greedy_identical(ours_runs, peer_runs),
                     }
                 )

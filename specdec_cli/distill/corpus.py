@@ -55,7 +55,7 @@ def build_corpus(
     each answer position. Written in shards of one generation batch, so a restart keeps what is done:
     first the answers to `prompts`, then the synthetic prompts' (greedy and sampled batches in turn)."""
     pad = padding_id(tokenizer)
-    eos = eos_token_ids(target, tokenizer)
+    eos = eos_token_ids(target.generation_config, tokenizer)
     groups = corpus_batches(len(prompts), settings.answers_per_prompt)
     synthetic = [
         min(GENERATION_BATCH, settings.synthetic_prompts - start)

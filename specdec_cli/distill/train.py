@@ -62,7 +62,9 @@ def train(
     add_target_features(target, corpus, pad, work, taps)
     torch.manual_seed(settings.seed)
     vocab_size = target.get_output_embeddings().weight.shape[0]
-    token_ids = choose_vocabulary(training, vocab_size, settings.draft_vocab, eos_token_ids(target, tokenizer))
+    token_ids = choose_vocabulary(
+        training, vocab_size, settings.draft_vocab, eos_token_ids(target.generation_config, tokenizer)
+    )
     to_subset = torch.full((vocab_size,), -1, dtype=torch.long)
     to_subset[token_ids] = torch.arange(len(token_ids))
     if settings.format == "eagle3":

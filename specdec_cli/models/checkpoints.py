@@ -8,8 +8,9 @@ draft's hub id is downloaded into the hub cache first: its format is recognised 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import os
+import json
 import re
 import shutil
 import subprocess
@@ -26,6 +27,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
@@ -33,11 +35,12 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from specdec_cli.config import ModelSpec, TinyModel, local_path
+from specdec_cli.config import ModelSpec, TinyModel, cache_dir, local_path
 from specdec_cli.errors import FetchError, SpecdecError
 from specdec_cli.models.decode_matmul import use_decode_matmul
 from specdec_cli.models.draft_folder import WEIGHTS, index_files, tier_files
 from specdec_cli.models.formats import load_format
+from specdec_cli.models.tokens import eos_token_ids
 
 
 @dataclass(frozen=True)
@@ -59,10 +62,6 @@ HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 # are the first tier of draft_folder.WEIGHTS the repository has. Top level only, as the loaders read it:
 # subfolders hold other copies (original/*.pth, onnx/)
 HUB_FILES = ["*.json", "*.model", "*.txt", "*.jinja", "*.py"]
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec")).expanduser()
 
 
 def load_model(
@@ -133,6 +132,37 @@ def resolve_checkpoint(name: str, revision: str | None = None, fetch: bool = Fal
         what = "no config.json" if path.is_dir() else "a file, not a folder or a .gguf file"
         raise SpecdecError(f"checkpoint {path}: not a model folder ({what})")
     return str(path)
+
+
+def model_folder(spec: ModelSpec, fetch: bool = False) -> str:
+    """A folder (or hub id) holding the model of `spec` for another engine to load (vLLM): a tiny model
+    is saved once under the specdec cache, keyed by its settings."""
+    if spec.tiny is None:
+        return resolve_checkpoint(spec.checkpoint, spec.revision, fetch)
+    key = json.dumps(dataclasses.asdict(spec.tiny), sort_keys=True)
+    folder = cache_dir() / "tiny" / hashlib.sha256(key.encode()).hexdigest()[:16]
+    if not (folder / "config.json").is_file():
+        partial = folder.with_name(folder.name + ".partial")
+        build_tiny(spec.tiny).save_pretrained(partial)
+        byte_tokenizer().save_pretrained(partial)
+        shutil.rmtree(folder, ignore_errors=True)
+        partial.rename(folder)
+    return str(folder)
+
+
+def load_tokenizer(spec: ModelSpec) -> tuple[PreTrainedTokenizerBase, set[int]]:
+    """A model's tokenizer and EOS ids without its weights, for another engine that runs it (vLLM)."""
+    folder = model_folder(spec)
+    kwargs = {"revision": spec.revision, "trust_remote_code": spec.trust_remote_code}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise SpecdecError(f"cannot load the tokenizer of {spec.describe()!r}: {first_lines(exc)}") from None
+    try:
+        generation = GenerationConfig.from_pretrained(folder, **kwargs)
+    except OSError:  # none saved: the tokenizer's EOS alone
+        generation = GenerationConfig()
+    return tokenizer, eos_token_ids(generation, tokenizer)
 
 
 def fetch_builtin(name: str) -> Path:

@@ -64,7 +64,7 @@ class Pair:
 
     @property
     def eos_token_ids(self) -> set[int]:
-        return eos_token_ids(self.target.model, self.tokenizer)
+        return eos_token_ids(self.target.model.generation_config, self.tokenizer)
 
     def decoder(
         self,

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from specdec_cli.errors import SpecdecError
 
 
-def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
-    """End-of-sequence ids from the generation config (one or a list) and the tokenizer."""
-    ids = model.generation_config.eos_token_id
+def eos_token_ids(generation_config: GenerationConfig, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """End-of-sequence ids from a model's generation config (one or a list) and the tokenizer."""
+    ids = generation_config.eos_token_id
     ids = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)

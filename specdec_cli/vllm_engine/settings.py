@@ -1,0 +1,96 @@
+"""What specdec's config means in vLLM: the engine's arguments, its speculative_config, its sampling,
+and its per-request speculative decoding metrics as specdec's step records."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from specdec_cli.config import Config, DraftSpec
+from specdec_cli.decoding.metrics import StepRecord
+from specdec_cli.decoding.params import SamplingParams
+from specdec_cli.errors import SpecdecError
+from specdec_cli.models.checkpoints import model_folder
+from specdec_cli.models.formats import DraftFolder, recognise
+
+# specdec's draft formats (models/formats.py; None: a causal LM) as vLLM's speculative methods
+VLLM_METHODS = {None: "draft_model", "eagle": "eagle", "eagle3": "eagle3", "medusa": "medusa", "dflash": "dflash"}
+
+
+def draft_format(path: str) -> str | None:
+    """The format specdec recognises in a draft folder (None: a causal LM, or a hub id)."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return None
+    return recognise(DraftFolder(Path(path), json.loads(config.read_text())))
+
+
+def speculative_config(draft: DraftSpec, gamma: int) -> dict:
+    """vLLM's speculative_config for the config's draft drafting `gamma` tokens per block; a draft vLLM
+    has no counterpart of is a SpecdecError that says so."""
+    if draft.lookup is not None:
+        raise SpecdecError("vLLM has no equivalent of prompt lookup ahead of a draft model (draft.lookup)")
+    if draft.ngram is not None:
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": gamma,
+            "prompt_lookup_min": draft.ngram.min_n,
+            "prompt_lookup_max": draft.ngram.max_n,
+        }
+    path = model_folder(draft, fetch=True)
+    kind = draft_format(path)
+    if kind not in VLLM_METHODS:
+        raise SpecdecError(
+            f"the draft {draft.describe()} ({kind} format) has no vLLM equivalent"
+            + (": `specdec distill --format eagle3` writes one vLLM reads" if kind == "specdec" else "")
+        )
+    return {"method": VLLM_METHODS[kind], "model": path, "num_speculative_tokens": gamma}
+
+
+def engine_settings(cfg: Config, dtype: str, speculative: dict | None) -> dict:
+    """vllm.LLM's arguments: the config's target in `dtype`; prompts arrive as token ids (specdec's chat
+    template), so vLLM loads no tokenizer, and no generation_config defaults (specdec applies none)."""
+    settings = {
+        "model": model_folder(cfg.target),
+        "dtype": dtype,
+        "seed": cfg.sampling.seed,
+        "skip_tokenizer_init": True,
+        "generation_config": "vllm",
+        "disable_log_stats": False,  # get_metrics() counts only with stats on
+        "trust_remote_code": cfg.target.trust_remote_code,
+        "tensor_parallel_size": cfg.runtime.tensor_parallel_size,
+        "pipeline_parallel_size": cfg.runtime.pipeline_parallel_size,
+    }
+    if cfg.target.revision:
+        settings["revision"] = cfg.target.revision
+    if speculative:
+        settings.update(speculative_config=speculative, per_request_spec_decode_metrics="detailed")
+    return settings
+
+
+def sampling(params: SamplingParams, seed: int, max_tokens: int, eos_token_ids: set[int], ignore_eos: bool) -> dict:
+    """vllm.SamplingParams' arguments for specdec's sampling; specdec's EOS ids are the stop tokens."""
+    return {
+        "temperature": params.temperature,
+        "top_k": params.top_k,
+        "top_p": params.top_p,
+        "seed": seed,
+        "max_tokens": max_tokens,
+        "ignore_eos": ignore_eos,
+        "stop_token_ids": [] if ignore_eos else sorted(eos_token_ids),
+    }
+
+
+def vllm_steps(spec_decode: dict | None, new_tokens: int) -> list[StepRecord]:
+    """A request's target forwards as specdec's step records, from vLLM's per-step drafted and accepted
+    counts (its verification steps; it lists no step that drafted nothing). Every forward emits its
+    accepted drafts and one token, so the forwards that drafted nothing (prefill's, an n-gram miss) are
+    the tokens left over; the last step gives back what the token limit or EOS cut off."""
+    spec_decode = spec_decode or {}
+    pairs = list(zip(spec_decode.get("per_step_drafted", []), spec_decode.get("per_step_accepted", [])))
+    steps = [StepRecord(drafted, accepted, accepted + 1, 0.0, 0.0) for drafted, accepted in pairs]
+    left = new_tokens - sum(s.emitted for s in steps)
+    if left < 0:
+        last = steps[-1]
+        steps[-1] = StepRecord(last.drafted, last.accepted, last.emitted + left, 0.0, 0.0)
+    return steps + [StepRecord(0, 0, 1, 0.0, 0.0)] * max(left, 0)

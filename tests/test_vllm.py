@@ -1,0 +1,284 @@
+"""vLLM as a peer: the config's meaning in vLLM and the worker's errors, without vLLM; and, marked
+`vllm` (skipped unless `specdec setup-vllm` made vLLM's environment or SPECDEC_VLLM_PYTHON names one),
+runs through vLLM checked against specdec's own."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from test_block_drafts import write_dflash, write_medusa_vllm
+from test_formats import eagle3_checkpoint, eagle_checkpoint, write_folder
+from typer.testing import CliRunner
+
+from specdec_cli.cli import app
+from specdec_cli.config import load_config, parse_config
+from specdec_cli.decoding.metrics import acceptance_by_position, mean_accepted_length
+from specdec_cli.decoding.params import SamplingParams
+from specdec_cli.errors import SpecdecError
+from specdec_cli.models.pair import load_pair
+from specdec_cli.vllm_engine.client import PYTHON_ENV, VllmWorker, failure_line, vllm_python
+from specdec_cli.vllm_engine.settings import engine_settings, sampling, speculative_config, vllm_steps
+
+runner = CliRunner()
+
+# a tiny target vLLM's CPU attention runs (heads 64 wide; tiny-random's are 16), an n-gram draft
+VLLM_TINY = {
+    "name": "tiny-vllm",
+    "target": {"tiny": {"hidden_size": 128, "num_heads": 2, "num_kv_heads": 1, "seed": 0}},
+    "draft": {"ngram": {"max_n": 3, "min_n": 1}},
+    "sampling": {"temperature": 0.0, "seed": 0},
+    "speculation": {"num_draft_tokens": 3},
+    "generation": {"max_new_tokens": 32, "ignore_eos": True},  # a random model repeats itself: lookup drafts
+    "runtime": {"device": "cpu", "dtype": "float32"},
+}
+PROMPTS = ["abc abc abc abc", "Hello there, hello there", "The quick brown fox"]
+
+
+def benchmark(config: Path, prompts: Path, *args: str) -> tuple[int, str, str]:
+    result = runner.invoke(
+        app, ["benchmark", "-c", str(config), "--prompts", str(prompts), "--temperatures", "0", *args]
+    )
+    return result.exit_code, result.stdout, result.stderr
+
+
+@pytest.fixture
+def files(tmp_path) -> tuple[Path, Path]:
+    config, prompts = tmp_path / "tiny-vllm.yaml", tmp_path / "prompts.txt"
+    config.write_text(yaml.safe_dump(VLLM_TINY))
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    return config, prompts
+
+
+# ---------------------------------------------------------------- without vLLM
+
+
+def generate(config: Path, *args: str) -> tuple[int, str, str]:
+    result = runner.invoke(app, ["generate", "-c", str(config), "--engine", "vllm", *args])
+    return result.exit_code, result.stdout, result.stderr
+
+
+@pytest.mark.parametrize("command", ["benchmark --peer vllm", "generate --engine vllm"])
+def test_without_vllms_environment_vllm_is_one_error_line(command, files, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(PYTHON_ENV, raising=False)
+    if command.startswith("benchmark"):
+        code, out, err = benchmark(*files, "--peer", "vllm")
+    else:
+        code, out, err = generate(files[0], "--prompt", "abc")
+    assert code == 2 and out == ""
+    assert err.splitlines() == [
+        f"Error: vLLM is not set up: run 'specdec setup-vllm' (or set {PYTHON_ENV} to a python with vllm)"
+    ]
+    if command.startswith("generate"):
+        return
+    monkeypatch.setenv(PYTHON_ENV, str(tmp_path / "nowhere" / "python"))
+    code, _, err = benchmark(*files, "--peer", "vllm")
+    assert code == 2 and err.splitlines() == [
+        f"Error: {PYTHON_ENV}={tmp_path / 'nowhere' / 'python'}: no such file (it names a python that has vllm)"
+    ]
+
+
+def test_a_python_without_vllm_is_one_error_line(files, tmp_path, monkeypatch):
+    """The worker runs, fails to import vllm, and says so in one line; no traceback."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(PYTHON_ENV, sys.executable)  # specdec's own python has no vllm
+    code, _, err = benchmark(*files, "--peer", "vllm", "--max-new-tokens", "4", "--warmup", "0")
+    lines = err.strip().splitlines()
+    assert code == 2 and "Traceback" not in err
+    assert lines[-1].startswith("Error: vllm: ModuleNotFoundError: No module named 'vllm' (log: ")
+
+
+def test_setup_vllm_that_cannot_install_is_one_error_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # no package can be found: pip fails as without a network
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "no-wheels"))
+    result = runner.invoke(app, ["setup-vllm"])
+    log = tmp_path / "cache" / "vllm-venv" / "setup.log"
+    assert result.exit_code == 2 and "Traceback" not in result.stderr
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("Error: pip install failed (exit 1): ") and error.endswith(f"(log: {log})")
+    assert "torch==2.13.0" in error or "vllm" in error  # pip's last line names what it could not find
+
+
+def test_generate_in_vllm_refuses_what_it_cannot_do(files, tmp_path):
+    code, _, err = generate(files[0], "--prompts", str(files[1]), "--batch-size", "2")
+    assert code == 2 and err.splitlines() == ["Error: --batch-size is specdec's: vLLM schedules its own batches"]
+    config = tmp_path / "no-tensor-parallel.yaml"
+    config.write_text(yaml.safe_dump({**VLLM_TINY, "runtime": {"tensor_parallel_size": 0}}))
+    code, _, err = generate(config, "--prompt", "abc")
+    assert code == 2 and err.splitlines() == ["Error: runtime.tensor_parallel_size must be >= 1, got 0"]
+
+
+def test_failure_line_finds_the_cause_below_vllms_pointers():
+    log = """\
+(EngineCore pid=7228) ERROR 12-03 07:04:04 [core.py:1512]     raise RuntimeError(
+(EngineCore pid=7228) ERROR 12-03 07:04:04 [core.py:1512] RuntimeError: Worker failed with error 'Unsupported \
+CPU attention configuration: head_dim=16 isa=2 kv_cache_idx=0', please check the stack trace above for the root cause
+(MainProcess pid=6824) INFO 12-03 07:04:05 [utils.py:628] [shutdown] Process manager: send sigterm
+vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause.
+"""
+    reported = "EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause."
+    assert failure_line(log, reported).startswith("RuntimeError: Worker failed with error 'Unsupported CPU attention")
+    assert failure_line(log, "ValueError: bad dtype") == "ValueError: bad dtype"  # a report that says what failed
+    assert failure_line("", None) == "the worker stopped without a message"
+
+
+def test_the_configs_drafts_in_vllm(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    ngram = load_config("smollm2-ngram")
+    assert speculative_config(ngram.draft, 4) == {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_min": ngram.draft.ngram.min_n,
+        "prompt_lookup_max": ngram.draft.ngram.max_n,
+    }
+    tiny = speculative_config(load_config("tiny-random").draft, 2)
+    assert tiny["method"] == "draft_model" and tiny["num_speculative_tokens"] == 2
+    assert json.loads((Path(tiny["model"]) / "config.json").read_text())["num_hidden_layers"] == 2  # saved once
+    with pytest.raises(SpecdecError, match=r"\(specdec format\) has no vLLM equivalent: `specdec distill --format"):
+        speculative_config(load_config("smollm2-draft-only").draft, 2)
+    with pytest.raises(SpecdecError, match="vLLM has no equivalent of prompt lookup ahead of a draft model"):
+        speculative_config(load_config("smollm2-draft").draft, 2)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "dflash"])
+def test_draft_folders_map_to_vllms_methods_of_their_names(tmp_path, kind):
+    folder = tmp_path / kind
+    if kind == "eagle":
+        write_folder(folder, *eagle_checkpoint())
+    elif kind == "eagle3":
+        write_folder(folder, *eagle3_checkpoint())
+    elif kind == "medusa":
+        write_medusa_vllm(folder)
+    else:
+        write_dflash(folder)
+    draft = load_config("tiny-random").draft
+    draft.tiny, draft.checkpoint = None, str(folder)
+    assert speculative_config(draft, 3) == {"method": kind, "model": str(folder), "num_speculative_tokens": 3}
+
+
+def test_vllms_step_counts_become_specdecs_steps():
+    # 3 verification steps (one cut by the token limit), and forwards that drafted nothing
+    spec = {"per_step_drafted": [3, 3, 2], "per_step_accepted": [3, 0, 1]}
+    steps = vllm_steps(spec, 9)
+    assert [(s.drafted, s.accepted, s.emitted) for s in steps] == [
+        (3, 3, 4),
+        (3, 0, 1),
+        (2, 1, 2),
+        (0, 0, 1),
+        (0, 0, 1),
+    ]
+    assert mean_accepted_length(steps) == 9 / (9 - 4)  # tokens per target forward
+    cut = vllm_steps(spec, 6)  # the last step's tokens past the limit are not emitted
+    assert [s.emitted for s in cut] == [4, 1, 1] and sum(s.emitted for s in cut) == 6
+    assert [s.emitted for s in vllm_steps(None, 3)] == [1, 1, 1]  # the target alone
+
+
+# ---------------------------------------------------------------- through vLLM
+
+
+def has_vllm() -> bool:
+    try:
+        vllm_python()
+    except SpecdecError:
+        return False
+    return True
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not has_vllm(), reason="vLLM is not set up: specdec setup-vllm")
+def test_vllms_ngram_counters_agree_with_its_steps_and_its_greedy_tokens_are_the_targets():
+    cfg = parse_config(VLLM_TINY)
+    pair = load_pair(cfg)
+    gamma, tokens = cfg.speculation.num_draft_tokens, cfg.generation.max_new_tokens
+    target_alone = pair.decoder(SamplingParams(), speculative=False)
+    steps, counters = [], {}
+    with VllmWorker(engine_settings(cfg, "float32", speculative_config(cfg.draft, gamma))) as worker:
+        for text in PROMPTS:
+            ids = pair.encode(text)
+            reply = worker.generate([ids], sampling(SamplingParams(), 0, tokens, pair.eos_token_ids, True))
+            output = reply["outputs"][0]
+            assert output["token_ids"] == target_alone.generate(ids, tokens, 0, ignore_eos=True).token_ids
+            steps += vllm_steps(output["spec_decode"], len(output["token_ids"]))
+            for name, value in reply["counters"].items():
+                old = counters.get(name, [0] * len(value) if isinstance(value, list) else 0)
+                counters[name] = [a + b for a, b in zip(old, value)] if isinstance(value, list) else old + value
+    drafting = [s for s in steps if s.drafted]
+    assert drafting, "the prompts repeat themselves: n-gram lookup drafts"
+    assert counters["vllm:spec_decode_num_drafts"] == len(drafting)
+    assert counters["vllm:spec_decode_num_draft_tokens"] == sum(s.drafted for s in steps)
+    assert counters["vllm:spec_decode_num_accepted_tokens"] == sum(s.accepted for s in steps)
+    by_position = acceptance_by_position(steps, gamma)
+    reached = [sum(s.drafted >= i for s in steps) for i in range(1, gamma + 1)]
+    accepted = counters["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert [a / n if n else None for a, n in zip(accepted, reached)] == pytest.approx(by_position)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not has_vllm(), reason="vLLM is not set up: specdec setup-vllm")
+def test_benchmark_peer_vllm_gives_specdecs_greedy_tokens(files):
+    code, out, err = benchmark(*files, "--peer", "vllm", "--json")
+    assert code == 0, err
+    record = json.loads(out)
+    peers = {(r["engine"], r["gamma"]): r for r in record["peers"]}
+    assert set(peers) == {("vllm", 0), ("vllm", 3)}
+    for row in peers.values():
+        assert row["greedy_identical"] == len(PROMPTS)  # float32, batch 1: token for token
+        assert row["peer_tokens_per_second"][0] > 0
+    speculative = peers[("vllm", 3)]
+    assert speculative["peer_mean_accepted_length"] > 1 and len(speculative["peer_acceptance_by_position"]) == 3
+    assert speculative["peer_end_to_end_speedup"] is not None
+    assert record["peer_versions"]["vllm"]
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not has_vllm(), reason="vLLM is not set up: specdec setup-vllm")
+def test_a_bad_vllm_setting_is_one_line(tmp_path):
+    settings = engine_settings(parse_config(VLLM_TINY), "float99", None)
+    with pytest.raises(SpecdecError) as failure:
+        VllmWorker(settings)
+    message = str(failure.value)
+    assert message.startswith("vllm: ") and "float99" in message and "\n" not in message
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not has_vllm(), reason="vLLM is not set up: specdec setup-vllm")
+def test_generate_in_vllm_gives_specdecs_greedy_tokens(files):
+    config, prompts = files
+    code, out, err = generate(config, "--prompts", str(prompts), "--json")
+    assert code == 0, err
+    record = json.loads(out)
+    assert record["engine"] == "vllm" and record["environment"]["tensor_parallel_size"] == 1
+    ours = runner.invoke(app, ["generate", "-c", str(config), "--prompts", str(prompts), "--json"])
+    specdec_rows = json.loads(ours.stdout)["rows"]
+    assert [r["token_ids"] for r in record["rows"]] == [r["token_ids"] for r in specdec_rows]
+    assert record["stats"]["mean_accepted_length"] > 1  # the n-gram drafts of vLLM's speculative_config
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not has_vllm(), reason="vLLM is not set up: specdec setup-vllm")
+def test_an_eagle3_export_drafts_in_vllm_with_specdecs_greedy_tokens(files, tmp_path):
+    """`specdec distill --format eagle3` writes a draft vLLM loads as its eagle3 method: a change to the
+    export that vLLM cannot read fails here."""
+    target = {**VLLM_TINY["target"]["tiny"], "num_layers": 4}  # EAGLE-3 reads 3 distinct layer inputs
+    config = tmp_path / "target.yaml"
+    config.write_text(yaml.safe_dump({"name": "t", "target": {"tiny": target}, "draft": {"ngram": {}}}))
+    out = tmp_path / "eagle3"
+    options = "--vocab 96 --steps 40 --answers-per-prompt 2 --synthetic-prompts 4 --answer-tokens 16 --eval-every 40"
+    distilled = runner.invoke(
+        app,
+        ["distill", "-c", str(config), "--out", str(out), "--prompts", str(files[1]), "--format", "eagle3"]
+        + ["--target-layers", "3,1,2", "--dtype", "float32", *options.split()],
+    )
+    assert distilled.exit_code == 0, distilled.output
+    pair = tmp_path / "pair.yaml"
+    pair.write_text(yaml.safe_dump({**VLLM_TINY, "target": {"tiny": target}, "draft": {"checkpoint": str(out)}}))
+    code, out_text, err = benchmark(pair, files[1], "--peer", "vllm", "--warmup", "0", "--json")
+    assert code == 0, err
+    speculative = next(r for r in json.loads(out_text)["peers"] if r["engine"] == "vllm" and r["gamma"])
+    assert speculative["greedy_identical"] == len(PROMPTS)
+    assert speculative["peer_acceptance_by_position"] is not None  # vLLM's eagle3 drafted
