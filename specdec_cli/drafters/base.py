@@ -59,13 +59,6 @@ class PathCommit:
     """`commit_tree` for a drafter that keeps nothing of a tree but its accepted path (no cache of
     the nodes): after a tree it commits the path as a chain's block."""
 
-    def commit_tree(
-        self,
-        path: torch.Tensor,
-        draft_ids: Rows,
-        num_accepted: list[int],
-        next_tokens: list[int],
-        target_states: States,
-    ) -> None:
-        """path [B, depth + 1] the accepted path's tree slots; the rest as `commit`, along the path."""
-        self.commit(draft_ids, num_accepted, next_tokens, target_states)
+    def commit_tree(self, path: torch.Tensor, *block) -> None:
+        """path [B, depth + 1] the accepted path's tree slots, then `commit`'s arguments, along the path."""
+        self.commit(*block)
