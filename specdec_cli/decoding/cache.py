@@ -49,10 +49,10 @@ class Output(NamedTuple):
     hidden: torch.Tensor | None  # [B, n, taps * hidden] the states of `state_layers`, if asked
 
 
-def right_padded(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, list[int]]:
-    """Token rows of different lengths as one [B, longest] tensor (padded with 0), and the lengths."""
+def right_padded(rows: list[list[int]], device: torch.device, pad: int = 0) -> tuple[torch.Tensor, list[int]]:
+    """Token rows of different lengths as one [B, longest] tensor (padded with `pad`), and the lengths."""
     width = max(map(len, rows))
-    return to_device([row + [0] * (width - len(row)) for row in rows], device), [len(r) for r in rows]
+    return to_device([row + [pad] * (width - len(row)) for row in rows], device), [len(r) for r in rows]
 
 
 def right_padded_states(states: list[torch.Tensor | None]) -> torch.Tensor:

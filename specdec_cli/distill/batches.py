@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec_cli.decoding.cache import right_padded
+
 
 def batches(corpus: list[dict], batch_size: int, seed: int, step: int):
     """Endless shuffled batches; deterministic given the seed, and resumable at any step."""
@@ -27,10 +29,9 @@ def batches(corpus: list[dict], batch_size: int, seed: int, step: int):
 
 
 def pad_right(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, seqs))
-    ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
-    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
-    return ids, mask
+    """The rows right-padded with `pad` [B, longest], and the attention mask (1: a real token)."""
+    ids, lengths = right_padded(seqs, torch.device("cpu"), pad)
+    return ids, (torch.arange(ids.shape[1]) < torch.tensor(lengths)[:, None]).long()
 
 
 @dataclass
