@@ -17,6 +17,7 @@ from specdec_cli.bench.report import (
     markdown_document,
     peer_report,
     rich_table,
+    verification,
 )
 from specdec_cli.bench.run import run_batches, run_benchmark
 from specdec_cli.bench.summary import gate_failures, summarize, summarize_batches, summarize_peers
@@ -117,7 +118,7 @@ def execute(
         "runs": runs,
         "batch_runs": batch_runs,
     }
-    rule = cfg.describe_verification()
+    rule = verification(record)
     tables = (
         [category_report(summary, cfg.draft.describe(), rule), detail_report(summary, rule)]
         + ([peer_report(peers, caption)] if peers else [])

@@ -173,7 +173,7 @@ def generate(
   specdec benchmark --prompts question.jsonl --category qa --limit 5 --peer hf\n
   specdec benchmark --min-speedup 1.2 --min-accept-length 2 --json > result.json\n
   specdec benchmark --batch-sizes 1,2,4,8 --max-new-tokens 64\n
-  specdec benchmark --temperatures 1 --verification block   # then `specdec compare` with a token run\n
+  specdec benchmark --temperatures 1 --verification token,block   # both rules side by side\n
   specdec benchmark -c smollm2-draft-only --tree 4,3,16 --tree 3,2,8   # a chain and two trees side by side"""
 )
 @reports_errors
@@ -204,7 +204,13 @@ def benchmark(
         ),
     ] = None,
     confidence_threshold: ConfidenceOpt = None,
-    verification: VerificationOpt = None,
+    verification: Annotated[
+        Optional[str],
+        typer.Option(
+            help="How sampled chains are verified: token, block, or token,block for both side by side (greedy "
+            "and trees run once: they are the same under both rules) (default: the config's)."
+        ),
+    ] = None,
     max_new_tokens: MaxNewOpt = None,
     ignore_eos: IgnoreEosOpt = None,
     seed: SeedOpt = None,
@@ -250,7 +256,6 @@ def benchmark(
         record,
         sampling__seed=seed,
         speculation__confidence_threshold=confidence_threshold,
-        speculation__verification=verification,
         generation__max_new_tokens=max_new_tokens,
         generation__ignore_eos=ignore_eos,
         runtime__device=device,
@@ -266,6 +271,7 @@ def benchmark(
         peer,
         parse_list(batch_sizes, int, "--batch-sizes"),
         [parse_tree(shape) for shape in tree or []],
+        parse_list(verification, str, "--verification"),
     )
     selected = choose_prompts(prompts, category, limit)
     from specdec_cli.benchmark import execute  # torch/transformers load only once arguments are fine

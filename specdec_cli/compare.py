@@ -20,6 +20,12 @@ def load_record(path: Path) -> dict:
         raise SpecdecError(f"cannot read benchmark record {file}: {exc}") from None
     if record.get("command") != "benchmark":
         raise SpecdecError(f"{file} is not a benchmark record")
+    # a record from before rows named their rule verified every sampled chain by the config's
+    rule = record.get("config", {}).get("speculation", {}).get("verification", "token")
+    for row in record["summary"] + (record.get("batch_summary") or []):
+        row.setdefault(
+            "verification", rule if row["temperature"] > 0 and row["gamma"] and not row.get("tree") else "token"
+        )
     return record
 
 

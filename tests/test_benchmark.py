@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from specdec_cli.bench import charts
 from specdec_cli.bench.plan import Plan
 from specdec_cli.bench.prompts import Prompt
-from specdec_cli.bench.report import compare_report
+from specdec_cli.bench.report import mode_label
 from specdec_cli.bench.run import run_benchmark
 from specdec_cli.bench.summary import gate_failures, summarize, summarize_mode
 from specdec_cli.cli import app
@@ -337,27 +337,60 @@ def test_compare_refuses_what_is_not_a_benchmark_record(tmp_path):
     assert code == EXIT_BAD_INPUT and err == f"Error: {tmp_path / 'record.json'} is not a benchmark record\n"
 
 
-def test_the_verification_rule_is_named_in_titles_records_and_comparisons(tmp_path):
+def test_token_and_block_verification_side_by_side_in_one_run(tmp_path):
     code, out, err = run_cli(
         "-c",
         str(write_pair(tmp_path)),
-        "--category",
-        "qa",
-        "--temperatures",
-        "1",
-        "--warmup",
-        "0",
-        "--verification",
-        "block",
+        *("--category", "qa", "--temperatures", "0,1", "--warmup", "0", "--verification", "token,block"),
     )
     assert code == 0, err
-    assert "Speedup by category, block verification" in out and "Overall, block verification" in out
-    record = json.loads((written_record(tmp_path, "tiny-same") / "record.json").read_text())
-    assert record["config"]["speculation"]["verification"] == "block"
-    older = {**record, "config": {"speculation": {}}}  # records from before the rule could be chosen
-    caption = compare_report(older, record, ("A", "B")).caption
-    assert "(" + record["timestamp"] + ", token verification), B" in caption
-    assert caption.count("block verification") == 1
+    folder = written_record(tmp_path, "tiny-same")
+    record = json.loads((folder / "record.json").read_text())
+    # greedy verification is the same under both rules: its chain runs once; the sampled chain under each
+    modes = [(r["temperature"], r["gamma"], r["verification"]) for r in record["runs"]]
+    assert modes == [(0, 0, "token"), (0, 3, "token"), (1, 0, "token"), (1, 3, "token"), (1, 3, "block")]
+    overall = {mode_label(r): r for r in record["summary"] if r["group"] == "overall"}
+    assert list(overall) == ["greedy, γ=3", "T=1, γ=3", "T=1, γ=3, block"]
+    assert [r["verification"] for r in overall.values()] == ["token", "token", "block"]
+    # an identical draft: both rules keep every draft
+    assert [r["mean_accepted_length"] for r in overall.values()] == [4, 4, 4]
+    report = (folder / "report.md").read_text()
+    assert "## Speedup by category, token and block verification" in report
+    assert "| metric | greedy, γ=3 | T=1, γ=3 | T=1, γ=3, block |" in report
+    assert "| overall | 3 |" in report and "| overall | 3, block | n/a |" in report  # no greedy block row
+    assert_charts(folder, "T=1, γ=3, block")
+    # a record from before rows named their rule: its config's rule, for its sampled chains only
+    older = {**record, "config": {"speculation": {"verification": "block"}}, "settings": {}}
+    older["summary"] = [
+        {k: v for k, v in r.items() if k != "verification"}
+        for r in record["summary"]
+        if (r["temperature"], r["verification"]) != (1, "token")  # it ran its sampled chain as a block
+    ]
+    (tmp_path / "older.json").write_text(json.dumps(older))
+    code, out, err = run_cli(str(tmp_path / "older.json"), str(folder), "--json", command="compare")
+    assert code == 0, err
+    assert {row[0] for row in json.loads(out)["rows"]} == {"greedy, γ=3", "T=1, γ=3, block"}
+    [compared] = (tmp_path / "runs").glob("*-compare-*")
+    report = (compared / "report.md").read_text()
+    assert ", block verification), B: " in report and ", token and block verification); tok/s" in report
+
+
+def test_a_single_rule_names_block_modes_only(tmp_path):
+    options = ["--category", "qa", "--temperatures", "0,1", "--warmup", "0", "--verification", "block", "--json"]
+    code, out, err = run_cli("-c", str(write_pair(tmp_path)), *options)
+    assert code == 0, err
+    record = json.loads(out)
+    assert [mode_label(r) for r in record["summary"] if r["group"] == "overall"] == ["greedy, γ=3", "T=1, γ=3, block"]
+    assert record["settings"]["verifications"] == ["block"]
+
+
+@pytest.mark.parametrize("value", ["token,fast", "Block"])
+def test_a_bad_verification_list_is_one_error_line(same_config, value):
+    code, out, err = run_cli("-c", str(same_config), "--verification", value)
+    assert code == EXIT_BAD_INPUT and out == ""
+    assert (
+        err.startswith("Error: --verification takes token, block or both (token,block), got ") and err.count("\n") == 1
+    )
 
 
 def run_peer(config: Path, *args: str) -> dict:

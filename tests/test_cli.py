@@ -159,11 +159,18 @@ def test_config_errors(write_config, changes, fragments):
         (["--num-draft-tokens", "0"], ["num_draft_tokens must be between 1 and 256"]),
         (["--confidence-threshold", "-0.1"], ["confidence_threshold must be in [0, 1)"]),
         (["--verification", "Block"], ["verification must be token or block, got 'Block'"]),
+        # a list is benchmark's: generate and verify-distribution run one rule
+        (["--verification", "token,block"], ["verification must be token or block, got 'token,block'"]),
     ],
 )
 def test_flag_errors(write_config, args, fragments):
     result = run("generate", "-c", str(write_config()), "--prompt", "Hello there", *args)
     assert_one_line_error(result, *fragments)
+
+
+def test_verify_distribution_runs_one_verification_rule(write_config):
+    result = run("verify-distribution", "-c", str(write_config()), "--verification", "token,block")
+    assert_one_line_error(result, "verification must be token or block, got 'token,block'")
 
 
 def test_benchmark_refuses_nan_temperatures(write_config):

@@ -7,22 +7,24 @@ from __future__ import annotations
 import io
 import math
 
-from specdec_cli.bench.report import OVERALL, drafting_order, mode_label, temperature_label, verification
+from specdec_cli.bench.report import OVERALL, drafting_order, mode_label, rule_of, temperature_label, verification
 
 CHART_FILES = ("chart.png", "chart.svg")
 
 
-def _modes(rows: list[dict]) -> list[tuple[float, int, str | None]]:
-    """(temperature, gamma, tree) of each speculative mode of the rows, in the tables' order."""
-    return [(t, *mode) for t in sorted({r["temperature"] for r in rows}) for mode in drafting_order(rows)]
+def _modes(rows: list[dict]) -> list[tuple[float, int, str | None, str]]:
+    """(temperature, gamma, tree, rule) of each speculative mode of the rows, in the tables' order."""
+    measured = {_key(r) for r in rows}  # block verification exists only at temperatures above 0
+    temperatures = sorted({r["temperature"] for r in rows})
+    return [(t, *mode) for t in temperatures for mode in drafting_order(rows) if (t, *mode) in measured]
 
 
-def _key(row: dict) -> tuple[float, int, str | None]:
-    return row["temperature"], row["gamma"], row.get("tree")
+def _key(row: dict) -> tuple[float, int, str | None, str]:
+    return row["temperature"], row["gamma"], row.get("tree"), rule_of(row)
 
 
-def _label(key: tuple[float, int, str | None]) -> str:
-    return mode_label({"temperature": key[0], "gamma": key[1], "tree": key[2]})
+def _label(key: tuple[float, int, str | None, str]) -> str:
+    return mode_label(dict(zip(("temperature", "gamma", "tree", "verification"), key)))
 
 
 def _colours(record: dict) -> dict[tuple, str]:

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdec_cli.bench.prompts import Prompt, builtin_suite, load_prompts, select
-from specdec_cli.bench.report import drafting_label, temperature_label
-from specdec_cli.config import Config, TreeShape
+from specdec_cli.bench.report import drafting_label, rule_label, temperature_label
+from specdec_cli.config import VERIFICATIONS, Config, TreeShape
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.errors import SpecdecError
 
@@ -21,19 +21,20 @@ QUICK_LIMIT = 1  # prompts per category of the built-in suite when neither --pro
 @dataclass(frozen=True)
 class Mode:
     """What one run measures: who generates, at which temperature, with how many draft tokens (a
-    chain's, or a tree's depth)."""
+    chain's, or a tree's depth), verified by which rule."""
 
     temperature: float
     gamma: int  # 0: target alone
     engine: str = SPECDEC
     tree: TreeShape | None = None  # a draft tree of this shape instead of a chain
+    verification: str = "token"  # "block": a sampled chain verified as a block
 
     @property
     def label(self) -> str:
         who = "" if self.engine == SPECDEC else f"{self.engine} "
         tree = self.tree.spec if self.tree else None
         kind = "target only" if self.gamma == 0 else f"speculative {drafting_label(self.gamma, tree)}"
-        return f"{who}{kind}, {temperature_label(self.temperature)}"
+        return f"{who}{kind}, {temperature_label(self.temperature)}{rule_label(self.verification)}"
 
 
 @dataclass
@@ -52,14 +53,17 @@ class Plan:
     peer_drafting: str | None = None
     batch_sizes: list[int] = field(default_factory=lambda: [1])  # > 1: specdec also decodes prompts together
     trees: list[TreeShape] = field(default_factory=list)  # draft trees, measured beside the chains
+    verifications: list[str] = field(default_factory=lambda: ["token"])  # the rules of the sampled chains
 
     def params(self, temperature: float) -> SamplingParams:
         return SamplingParams(temperature=temperature, top_k=self.top_k, top_p=self.top_p)
 
     def specdec_modes(self, temperature: float) -> list[Mode]:
-        """The target alone, each chain and each tree at one temperature."""
-        chains = [Mode(temperature, g) for g in [0] + self.gammas]
-        return chains + [Mode(temperature, shape.depth, tree=shape) for shape in self.trees]
+        """The target alone, each chain (sampled: under each rule) and each tree at one temperature. Greedy
+        verification is the same under both rules, and a tree has its own: they run once."""
+        rules = self.verifications if temperature > 0 else ["token"]
+        chains = [Mode(temperature, g, verification=rule) for g in self.gammas for rule in rules]
+        return [Mode(temperature, 0)] + chains + [Mode(temperature, shape.depth, tree=shape) for shape in self.trees]
 
     def batch_modes(self) -> list[tuple[int, Mode]]:
         """(batch size, mode) of the batched runs: target-only, each gamma and each tree per temperature,
@@ -109,9 +113,10 @@ def make_plan(
     peer: str | None,
     batch_sizes: list[int] | None = None,
     trees: list[TreeShape] | None = None,
+    verifications: list[str] | None = None,
 ) -> Plan:
     """Defaults: the config's gamma, and its tree if it has one (a chain and a tree side by side); greedy
-    and the config's temperature (1.0 if the config is greedy)."""
+    and the config's temperature (1.0 if the config is greedy); the config's verification rule."""
     gammas = gammas or [cfg.speculation.num_draft_tokens]
     trees = trees or ([cfg.speculation.tree] if cfg.speculation.tree else [])
     temperatures = temperatures or list(dict.fromkeys([0.0, cfg.sampling.temperature or 1.0]))
@@ -119,6 +124,9 @@ def make_plan(
         raise SpecdecError(f"--num-draft-tokens-list values must be >= 1, got {gammas}")
     if not all(math.isfinite(t) and t >= 0 for t in temperatures):
         raise SpecdecError(f"--temperatures must be finite numbers >= 0 (0 is greedy), got {temperatures}")
+    verifications = verifications or [cfg.speculation.verification]
+    if not set(verifications) <= set(VERIFICATIONS):
+        raise SpecdecError(f"--verification takes token, block or both (token,block), got {','.join(verifications)}")
     if repeats < 1 or warmup < 0:
         raise SpecdecError("--repeats must be >= 1 and --warmup >= 0")
     if peer is not None and peer not in PEERS:
@@ -140,6 +148,7 @@ def make_plan(
         peer,
         batch_sizes=batch_sizes,
         trees=list(dict.fromkeys(trees)),
+        verifications=verifications,
     )
 
 

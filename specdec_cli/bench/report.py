@@ -60,14 +60,26 @@ def drafting_label(gamma: int, tree: str | None) -> str:
     return f"tree {tree}" if tree else f"γ={gamma}"
 
 
+def rule_of(row: dict) -> str:
+    """The verification rule of a run or summary row (rows from before it was recorded: token)."""
+    return row.get("verification") or "token"
+
+
+def rule_label(rule: str) -> str:
+    """A mode's label names the rule where it is block; token is the default one."""
+    return ", block" if rule == "block" else ""
+
+
 def mode_label(row: dict) -> str:
-    return f"{temperature_label(row['temperature'])}, {drafting_label(row['gamma'], row.get('tree'))}"
+    drafting = drafting_label(row["gamma"], row.get("tree"))
+    return f"{temperature_label(row['temperature'])}, {drafting}{rule_label(rule_of(row))}"
 
 
-def drafting_order(rows: list[dict]) -> list[tuple[int, str | None]]:
-    """The (gamma, tree) of the rows' speculative modes, once each: chains by length, then trees."""
-    modes = {(r["gamma"], r.get("tree")) for r in rows if r["gamma"]}
-    return sorted(modes, key=lambda mode: (mode[1] is not None, mode[0], mode[1] or ""))
+def drafting_order(rows: list[dict]) -> list[tuple[int, str | None, str]]:
+    """The (gamma, tree, rule) of the rows' speculative modes, once each: chains by length (token, then
+    block), then trees."""
+    modes = {(r["gamma"], r.get("tree"), rule_of(r)) for r in rows if r["gamma"]}
+    return sorted(modes, key=lambda mode: (mode[1] is not None, mode[0], mode[1] or "", mode[2] == "block"))
 
 
 def category_report(summary: list[dict], draft: str, rule: str) -> Report:
@@ -80,13 +92,13 @@ def category_report(summary: list[dict], draft: str, rule: str) -> Report:
         name = temperature_label(t)
         header += [f"{name} base tok/s", f"{name} spec tok/s", f"{name} speedup", f"{name} acc len", f"{name} acc rate"]
     rows = []
-    by_key = {(r["group"], r["gamma"], r.get("tree"), r["temperature"]): r for r in summary}
+    by_key = {(r["group"], r["gamma"], r.get("tree"), rule_of(r), r["temperature"]): r for r in summary}
     groups = sorted({r["group"] for r in summary} - {OVERALL}) + [OVERALL]
     for group in groups:
-        for gamma, tree in drafting_order(summary):
-            cells = [group, f"tree {tree}" if tree else str(gamma)]
+        for gamma, tree, mode_rule in drafting_order(summary):
+            cells = [group, (f"tree {tree}" if tree else str(gamma)) + rule_label(mode_rule)]
             for t in temperatures:
-                r = by_key.get((group, gamma, tree, t))
+                r = by_key.get((group, gamma, tree, mode_rule, t))
                 cells += (
                     ["n/a"] * 5
                     if r is None
@@ -101,7 +113,8 @@ def category_report(summary: list[dict], draft: str, rule: str) -> Report:
             rows.append(cells)
     caption = (
         f"Draft: {draft}. γ = tokens drafted per block (with lookup ahead of a model: the model's); "
-        f"tree D,K,N = a draft tree of depth D, top-k K, N nodes verified per block. "
+        f"tree D,K,N = a draft tree of depth D, top-k K, N nodes verified per block; block = sampled drafts "
+        f"verified as a block (Sun et al. 2025), else token by token. "
         f"{SPEEDUP_FORMULA}. acc len = mean accepted length: tokens per target forward, incl. the "
         f"bonus/recovered token (target-only = 1). acc rate = accepted / drafted."
     )
@@ -155,7 +168,7 @@ def peer_report(peers: list[dict], caption: str) -> Report:
         [
             temperature_label(r["temperature"]),
             f"{r['engine']} target only" if r["gamma"] == 0 else f"{r['engine']} γ={r['gamma']}",
-            f"γ={r['specdec_gamma']}",
+            f"γ={r['specdec_gamma']}{rule_label(r.get('specdec_verification', 'token'))}",
             str(r["prompts"]),
             spread(r["peer_tokens_per_second"]),
             spread(r["specdec_tokens_per_second"]),
@@ -259,15 +272,19 @@ COMPARED = [
 
 
 def compare_report(a: dict, b: dict, names: tuple[str, str]) -> Report:
-    """Two records side by side: overall rows matched by (temperature, gamma or tree), batch-size rows
-    by (batch size, temperature, gamma or tree) where both records measured batches."""
+    """Two records side by side: overall rows matched by (temperature, gamma or tree, rule), batch-size
+    rows by (batch size, temperature, gamma or tree, rule) where both records measured batches."""
 
     def overall(record: dict) -> dict:
-        return {(r["temperature"], r["gamma"], r.get("tree")): r for r in record["summary"] if r["group"] == OVERALL}
+        return {
+            (r["temperature"], r["gamma"], r.get("tree"), rule_of(r)): r
+            for r in record["summary"]
+            if r["group"] == OVERALL
+        }
 
     def batches(record: dict) -> dict:
         return {
-            (r["batch_size"], r["temperature"], r["gamma"], r.get("tree")): r
+            (r["batch_size"], r["temperature"], r["gamma"], r.get("tree"), rule_of(r)): r
             for r in record.get("batch_summary", [])
             if r["batch_size"] > 1
         }
@@ -294,8 +311,12 @@ def compare_report(a: dict, b: dict, names: tuple[str, str]) -> Report:
 
 
 def verification(record: dict) -> str:
-    # records written before the rule was configurable verified token by token
-    return f"{record.get('config', {}).get('speculation', {}).get('verification', 'token')} verification"
+    """The rules a record's sampled chains were verified by: its plan's, else (records from before a run
+    measured several) the config's, else (from before the rule was configurable) token."""
+    rules = record.get("settings", {}).get("verifications") or [
+        record.get("config", {}).get("speculation", {}).get("verification", "token")
+    ]
+    return f"{' and '.join(rules)} verification"
 
 
 def _value(x) -> float | None:

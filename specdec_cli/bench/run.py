@@ -18,9 +18,10 @@ WARMUP_TOKENS = 32  # enough for one-time costs (allocations, thread pools); not
 
 
 def decoder_of(pair: Pair, mode: Mode, plan: Plan) -> SpeculativeDecoder:
-    """The target alone (gamma 0), a chain of gamma draft tokens, or a draft tree."""
+    """The target alone (gamma 0), a chain of gamma draft tokens under the mode's rule, or a draft tree."""
     chain = None if mode.tree else mode.gamma or None
-    return pair.decoder(plan.params(mode.temperature), mode.gamma > 0, num_draft_tokens=chain, tree=mode.tree)
+    params = plan.params(mode.temperature)
+    return pair.decoder(params, mode.gamma > 0, chain, mode.tree, mode.verification)
 
 
 def specdec_generator(pair: Pair, mode: Mode, plan: Plan, max_new_tokens: int) -> TurnGenerator:
@@ -98,6 +99,7 @@ def run_benchmark(
                         "temperature": mode.temperature,
                         "gamma": mode.gamma,
                         "tree": mode.tree.spec if mode.tree else None,
+                        "verification": mode.verification,
                         "engine": mode.engine,
                         "repeats": [m.to_dict() for m in measures],
                     }
@@ -177,6 +179,7 @@ def run_batches(
                         "temperature": mode.temperature,
                         "gamma": mode.gamma,
                         "tree": mode.tree.spec if mode.tree else None,
+                        "verification": mode.verification,
                         "engine": mode.engine,
                         "prompt_ids": [p.id for p in group],
                         "repeats": [

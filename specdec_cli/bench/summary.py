@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 
 from specdec_cli.bench.plan import HF, SPECDEC
-from specdec_cli.bench.report import OVERALL, drafting_order, mode_label
+from specdec_cli.bench.report import OVERALL, drafting_order, mode_label, rule_of
 from specdec_cli.decoding.metrics import (
     StepRecord,
     acceptance_by_position,
@@ -109,33 +109,41 @@ def _mean_prefill(runs: list[dict]) -> float | None:
 
 
 def _by_prompt(
-    runs: list[dict], engine: str, temperature: float, gamma: int, group: str = OVERALL, tree: str | None = None
+    runs: list[dict],
+    engine: str,
+    temperature: float,
+    gamma: int,
+    group: str = OVERALL,
+    tree: str | None = None,
+    rule: str = "token",
 ) -> dict[str, dict]:
     return {
         r["prompt_id"]: r
         for r in runs
-        if (r["engine"], r["temperature"], r["gamma"], r.get("tree")) == (engine, temperature, gamma, tree)
+        if (r["engine"], r["temperature"], r["gamma"], r.get("tree"), rule_of(r))
+        == (engine, temperature, gamma, tree, rule)
         and group in (OVERALL, r["category"])
     }
 
 
 def summarize(runs: list[dict]) -> list[dict]:
-    """One entry per (group, temperature, gamma or tree), group being each category and "overall";
+    """One entry per (group, temperature, gamma or tree, rule), group being each category and "overall";
     prompts missing a mode (an interrupted run) are left out of that comparison."""
     out = []
     specdec = [r for r in runs if r["engine"] == SPECDEC]
     categories = sorted({r["category"] for r in specdec})
     for temperature in sorted({r["temperature"] for r in specdec}):
-        for gamma, tree in drafting_order(specdec):
+        for gamma, tree, rule in drafting_order(specdec):
             for group in categories + [OVERALL]:
                 base = _by_prompt(specdec, SPECDEC, temperature, 0, group)
-                spec = _by_prompt(specdec, SPECDEC, temperature, gamma, group, tree)
+                spec = _by_prompt(specdec, SPECDEC, temperature, gamma, group, tree, rule)
                 ids = [i for i in spec if i in base]
                 if ids:
                     out.append(
                         {
                             "group": group,
                             "temperature": temperature,
+                            "verification": rule,
                             **summarize_mode([base[i] for i in ids], [spec[i] for i in ids], gamma, tree),
                         }
                     )
@@ -164,20 +172,25 @@ def _acceptance(runs: list[dict], gamma: int) -> dict:
 
 def summarize_peers(runs: list[dict]) -> list[dict]:
     """Per peer mode, the peer beside specdec's speculative run of the same prompts at the same temperature:
-    the same gamma, or each gamma for the peer's target-only run. As end-to-end tokens/s (prefill +
-    decode), because transformers' generate() does not time them apart; each side's speedup over its own
-    target-only run, and its acceptance in specdec's definitions where the peer reports its steps (vLLM)."""
+    the same gamma, or each gamma for the peer's target-only run, under each rule specdec measured. As
+    end-to-end tokens/s (prefill + decode), because transformers' generate() does not time them apart;
+    each side's speedup over its own target-only run, and its acceptance in specdec's definitions where
+    the peer reports its steps (vLLM)."""
     out = []
     key = "end_to_end_tokens_per_second"
-    gammas = sorted({r["gamma"] for r in runs if r["engine"] == SPECDEC and not r.get("tree")} - {0})
+    chains = sorted(
+        {(r["temperature"], r["gamma"], rule_of(r)) for r in runs if r["engine"] == SPECDEC and not r.get("tree")}
+    )
     for temperature, gamma, engine in sorted(
         {(r["temperature"], r["gamma"], r["engine"]) for r in runs if r["engine"] != SPECDEC}
     ):
         peers = _by_prompt(runs, engine, temperature, gamma)
         # the peer's target alone: its engine's first word ("hf prompt lookup" -> "hf")
         peer_base = _by_prompt(runs, engine.split()[0], temperature, 0)
-        for specdec_gamma in [gamma] if gamma else gammas:
-            ours = _by_prompt(runs, SPECDEC, temperature, specdec_gamma)
+        # specdec's chains beside this peer mode: its gamma, or every gamma beside the peer's target alone
+        beside = [(g, rule) for t, g, rule in chains if t == temperature and g and gamma in (0, g)]
+        for specdec_gamma, rule in beside:
+            ours = _by_prompt(runs, SPECDEC, temperature, specdec_gamma, rule=rule)
             ids = [i for i in peers if i in ours]
             if ids:
                 ours_runs, peer_runs = [ours[i] for i in ids], [peers[i] for i in ids]
@@ -188,6 +201,7 @@ def summarize_peers(runs: list[dict]) -> list[dict]:
                         "temperature": temperature,
                         "gamma": gamma,
                         "specdec_gamma": specdec_gamma,
+                        "specdec_verification": rule,
                         "prompts": len(ids),
                         "specdec_tokens_per_second": _mean_tps(ours_runs, key),
                         "peer_tokens_per_second": _mean_tps(peer_runs, key),
@@ -222,12 +236,12 @@ def gate_failures(summary: list[dict], min_speedup: float | None, min_accept_len
 
 
 def _batch_groups(runs: list[dict], batch_runs: list[dict]) -> dict[tuple, list[dict]]:
-    """(batch size, temperature, gamma, engine, tree) -> its runs; batch 1 from the per-prompt runs."""
+    """(batch size, temperature, gamma, engine, tree, rule) -> its runs; batch 1 from the per-prompt runs."""
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
-        groups.setdefault((1, r["temperature"], r["gamma"], r["engine"], r.get("tree")), []).append(r)
+        groups.setdefault((1, r["temperature"], r["gamma"], r["engine"], r.get("tree"), rule_of(r)), []).append(r)
     for r in batch_runs:
-        key = (r["batch_size"], r["temperature"], r["gamma"], r.get("engine", SPECDEC), r.get("tree"))
+        key = (r["batch_size"], r["temperature"], r["gamma"], r.get("engine", SPECDEC), r.get("tree"), rule_of(r))
         groups.setdefault(key, []).append(r)
     return groups
 
@@ -274,18 +288,18 @@ def _greedy_identical(spec: list[dict], alone: list[dict]) -> int | None:
 
 
 def summarize_batches(runs: list[dict], batch_runs: list[dict]) -> list[dict]:
-    """Per (batch size, temperature, gamma or tree): total tokens/s of the target alone and of
+    """Per (batch size, temperature, gamma or tree, rule): total tokens/s of the target alone and of
     speculative decoding at that batch size, their ratio, and acceptance; then, per (temperature,
     gamma or tree), the smallest batch size whose speedup fell below 1 (None: none measured)."""
     groups = _batch_groups(runs, batch_runs)
     out = []
     speculative = [k for k in groups if k[2] > 0 and k[3] == SPECDEC]
-    for size, temperature, gamma, _, tree in sorted(speculative, key=lambda k: (k[:4], k[4] or "")):
+    for size, temperature, gamma, _, tree, rule in sorted(speculative, key=lambda k: (k[:4], k[4] or "", k[5])):
         base, spec = (
-            groups.get((size, temperature, 0, SPECDEC, None)),
-            groups[(size, temperature, gamma, SPECDEC, tree)],
+            groups.get((size, temperature, 0, SPECDEC, None, "token")),
+            groups[(size, temperature, gamma, SPECDEC, tree, rule)],
         )
-        peer = groups.get((size, temperature, 0, HF, None))
+        peer = groups.get((size, temperature, 0, HF, None, "token"))
         if not base:
             continue
         base_tps, spec_tps = _total_tps(base), _total_tps(spec)
@@ -296,6 +310,7 @@ def summarize_batches(runs: list[dict], batch_runs: list[dict]) -> list[dict]:
                 "temperature": temperature,
                 "gamma": gamma,
                 "tree": tree,
+                "verification": rule,
                 "baseline_tokens_per_second": median_and_spread(base_tps),
                 "speculative_tokens_per_second": median_and_spread(spec_tps),
                 "speculative_tokens_per_second_per_sequence": median_and_spread([t / size for t in spec_tps]),
@@ -308,7 +323,9 @@ def summarize_batches(runs: list[dict], batch_runs: list[dict]) -> list[dict]:
                 "target_forward_seconds": _forward_seconds(base),
                 "verification_forward_seconds": _forward_seconds(spec),
                 "greedy_identical": (
-                    _greedy_identical(spec, groups.get((1, 0.0, 0, SPECDEC, None), [])) if temperature == 0 else None
+                    _greedy_identical(spec, groups.get((1, 0.0, 0, SPECDEC, None, "token"), []))
+                    if temperature == 0
+                    else None
                 ),
                 # transformers' plain generate() at this batch size, timed whole: set beside specdec's end to end
                 "speculative_end_to_end_tokens_per_second": median_and_spread(_total_tps(spec, end_to_end=True)),
@@ -319,7 +336,8 @@ def summarize_batches(runs: list[dict], batch_runs: list[dict]) -> list[dict]:
         slower = [
             r["batch_size"]
             for r in out
-            if (r["temperature"], r["gamma"], r["tree"]) == (row["temperature"], row["gamma"], row["tree"])
+            if (r["temperature"], r["gamma"], r["tree"], r["verification"])
+            == (row["temperature"], row["gamma"], row["tree"], row["verification"])
             and r["speedup"][0] < 1
         ]
         row["crossover_batch_size"] = min(slower, default=None)

@@ -72,8 +72,10 @@ class Pair:
         speculative: bool = True,
         num_draft_tokens: int | None = None,
         tree: TreeShape | None = None,
+        verification: str | None = None,
     ) -> SpeculativeDecoder:
-        """A chain of `num_draft_tokens`, a `tree` of that shape, or, given neither, the config's drafting."""
+        """A chain of `num_draft_tokens`, a `tree` of that shape, or, given neither, the config's drafting;
+        a chain's sampled drafts verified by `verification` (default: the config's rule)."""
         if tree is None and num_draft_tokens is None:
             tree = self.config.speculation.tree
         if tree is not None and speculative:
@@ -88,7 +90,7 @@ class Pair:
             else:  # each side its own length; the decoder's is the longer
                 drafter = LookupFirstDrafter(self.lookup, drafter, lookup_tokens, gamma)
                 gamma = max(gamma, lookup_tokens)
-        verification = self.config.speculation.verification
+        verification = verification or self.config.speculation.verification
         return SpeculativeDecoder(self.target, drafter, params, gamma, self.eos_token_ids, verification=verification)
 
     def check_tree(self) -> None:
