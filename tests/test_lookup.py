@@ -7,7 +7,7 @@ import torch
 from conftest import TINY_PAIR, cached
 
 from specdec_cli import verify
-from specdec_cli.config import TinyModel, parse_config
+from specdec_cli.config import TinyModel, TreeShape, parse_config
 from specdec_cli.decoding.engine import SpeculativeDecoder
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.drafters.feature import FeatureDrafter
@@ -68,13 +68,48 @@ def test_greedy_output_is_the_targets(tiny_target, tokenizer, kind):
     assert drafter.by_lookup > 0 and drafter.by_model > 0  # both sides drafted, and followed each other
 
 
-def lookup_pair(lookup_tokens: int | None, gamma: int):
+class CountingTrees(Counting):
+    """Counts which side drafted each tree block."""
+
+    def propose_tree(self, *args):
+        tree = self.drafter.propose_tree(*args)
+        self.by_model += self.drafter.model_drafted
+        self.by_lookup += not self.drafter.model_drafted
+        return tree
+
+    def commit_tree(self, *args):
+        self.drafter.commit_tree(*args)
+
+
+@pytest.mark.parametrize("kind", ["model", "feature"])
+def test_greedy_trees_are_the_targets(tiny_target, tokenizer, kind):
+    """Lookup's trie where it finds a match, the model's tree elsewhere, at batch 1 and 4."""
+    prompts = [tokenizer.encode(p) for p in (PROMPT, "abc abc abc", "Hello there", "a b a b a b a")]
+    alone = SpeculativeDecoder(cached(tiny_target), None, SamplingParams(), 1, set())
+    expected = [alone.generate(p, 40, 0).token_ids for p in prompts]
+    for shape in (TreeShape(3, 2, 6), TreeShape(4, 3, 12)):
+        drafter = CountingTrees(hybrid(tiny_target, kind))
+        decoder = SpeculativeDecoder(cached(tiny_target), drafter, SamplingParams(), shape.depth, set(), shape)
+        assert [r.token_ids for r in decoder.generate_batch(prompts, 40, 0)] == expected
+        assert decoder.generate(prompts[0], 40, 0).token_ids == expected[0]
+        assert drafter.by_lookup > 0 and drafter.by_model > 0  # both sides drafted, and followed each other
+
+
+def test_sampled_trees_are_the_targets():
+    pair = lookup_pair(None, 3, tree={"depth": 3, "top_k": 2, "max_nodes": 6})
+    assert isinstance(pair.decoder(SamplingParams()).drafter, LookupFirstDrafter)
+    rows = verify.check_model(pair, pair.encode(PROMPT), "p", SamplingParams(0.8), 300, seed=0, significance=0.01)
+    verify.holm(rows, 0.01)
+    assert [r.what for r in rows if r.status == verify.FAIL] == [] and sum(r.p_value is not None for r in rows) >= 5
+
+
+def lookup_pair(lookup_tokens: int | None, gamma: int, tree: dict | None = None):
     lookup = {"min_n": 2, **({} if lookup_tokens is None else {"num_draft_tokens": lookup_tokens})}
     config = parse_config(
         {
             **TINY_PAIR,
             "draft": {"tiny": {"seed": 0, "noise": 0.005}, "lookup": lookup},
-            "speculation": {"num_draft_tokens": gamma},
+            "speculation": {"num_draft_tokens": gamma, **({} if tree is None else {"tree": tree})},
             "runtime": {"device": "cpu", "dtype": "float32", "threads": 1},
         }
     )

@@ -560,13 +560,6 @@ def test_bad_tree_settings_are_one_error_line(write_config, args, message):
     assert result.output.strip().splitlines()[-1].startswith("Error: ") and message in result.output
 
 
-def test_lookup_ahead_of_a_draft_refuses_trees(write_config):
-    draft = {"tiny": {"seed": 0}, "lookup": {"max_n": 3, "min_n": 1}}
-    result = runner.invoke(app, ["generate", "-c", str(write_config({"draft": draft})), "-p", "abc", "--tree", "2,2,4"])
-    assert result.exit_code == EXIT_BAD_INPUT
-    assert "has no draft tree yet" in result.output.strip().splitlines()[-1]
-
-
 def test_generate_names_the_tree(write_config):
     result = runner.invoke(app, ["generate", "-c", str(write_config()), "-p", "abc", "--tree", "3,2,6", "--json"])
     assert result.exit_code == 0, result.output

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from specdec_cli.config import TreeShape
 from specdec_cli.decoding.params import SamplingParams
+from specdec_cli.decoding.tree import DraftTree
 from specdec_cli.drafters.base import Drafts, Follower, Rows, States
 from specdec_cli.drafters.ngram import NgramDrafter
 
@@ -52,6 +54,20 @@ class LookupFirstDrafter:
             model_gamma = gamma if self.model_tokens is None else min(gamma, self.model_tokens)
             return self.model.propose(model_gamma, params, generator)
         return self.lookup.drafts(found, params)
+
+    def propose_tree(self, shape: TreeShape, params: SamplingParams, generator: torch.Generator | None) -> DraftTree:
+        """Lookup's trie (several matches as branches) where it found a match in every row, else the
+        model's tree; either is as deep as the shape (lookup's own length applies to chains)."""
+        self.model_drafted = not all(self.lookup.find(1))
+        return (self.model if self.model_drafted else self.lookup).propose_tree(shape, params, generator)
+
+    def commit_tree(self, path: torch.Tensor, *block) -> None:
+        """path [B, depth + 1] the accepted path's tree slots, then `commit`'s arguments, along the path."""
+        if self.model_drafted:  # the model keeps its tree's accepted path as its own commit_tree does
+            self.lookup.commit(*block)
+            self.model.commit_tree(path, *block)
+        else:  # lookup keeps nothing of a tree but the path: as after a lookup chain
+            self.commit(*block)
 
     def commit(self, draft_ids: Rows, num_accepted: list[int], next_tokens: list[int], target_states: States) -> None:
         self.lookup.commit(draft_ids, num_accepted, next_tokens, target_states)

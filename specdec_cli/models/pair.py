@@ -78,9 +78,9 @@ class Pair:
         a chain's sampled drafts verified by `verification` (default: the config's rule)."""
         if tree is None and num_draft_tokens is None:
             tree = self.config.speculation.tree
-        if tree is not None and speculative:
-            self.check_tree()
-            return SpeculativeDecoder(self.target, self.drafter, params, tree.depth, self.eos_token_ids, tree)
+        if tree is not None and speculative:  # lookup's tree where it finds a match, the model's elsewhere
+            drafter = self.drafter if self.lookup is None else LookupFirstDrafter(self.lookup, self.drafter)
+            return SpeculativeDecoder(self.target, drafter, params, tree.depth, self.eos_token_ids, tree)
         gamma = self.config.speculation.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
         drafter = self.drafter if speculative else None
         if speculative and self.lookup is not None:
@@ -92,11 +92,6 @@ class Pair:
                 gamma = max(gamma, lookup_tokens)
         verification = verification or self.config.speculation.verification
         return SpeculativeDecoder(self.target, drafter, params, gamma, self.eos_token_ids, verification=verification)
-
-    def check_tree(self) -> None:
-        """Every drafter drafts trees but prompt lookup ahead of another one."""
-        if self.lookup is not None:
-            raise SpecdecError("prompt lookup (draft.lookup) has no draft tree yet: draft trees without it")
 
     def encode(self, prompt: str, raw: bool = False, history: list[dict] | None = None) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, raw, history)
