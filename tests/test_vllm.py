@@ -268,7 +268,8 @@ def test_an_eagle3_export_drafts_in_vllm_with_specdecs_greedy_tokens(files, tmp_
     config = tmp_path / "target.yaml"
     config.write_text(yaml.safe_dump({"name": "t", "target": {"tiny": target}, "draft": {"ngram": {}}}))
     out = tmp_path / "eagle3"
-    options = "--vocab 96 --training-steps 40 --answers-per-prompt 2 --synthetic-prompts 4 --answer-tokens 16 --eval-every 40"
+    options = "--vocab 96 --training-steps 40 --answers-per-prompt 2 --synthetic-prompts 4"
+    options += " --answer-tokens 16 --eval-every 40"
     distilled = runner.invoke(
         app,
         ["distill", "-c", str(config), "--out", str(out), "--prompts", str(files[1]), "--format", "eagle3"]
