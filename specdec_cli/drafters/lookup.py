@@ -58,8 +58,11 @@ class LookupFirstDrafter:
     def propose_tree(self, shape: TreeShape, params: SamplingParams, generator: torch.Generator | None) -> DraftTree:
         """Lookup's trie (several matches as branches) where it found a match in every row, else the
         model's tree; either is as deep as the shape (lookup's own length applies to chains)."""
-        self.model_drafted = not all(self.lookup.find(1))
-        return (self.model if self.model_drafted else self.lookup).propose_tree(shape, params, generator)
+        found = self.lookup.find_trees(shape)
+        self.model_drafted = not all(tokens for tokens, _ in found)
+        if self.model_drafted:
+            return self.model.propose_tree(shape, params, generator)
+        return self.lookup.tree(found, shape.depth)
 
     def commit_tree(self, path: torch.Tensor, *block) -> None:
         """path [B, depth + 1] the accepted path's tree slots, then `commit`'s arguments, along the path."""

@@ -69,13 +69,20 @@ class NgramDrafter(PathCommit):
     def propose_tree(self, shape: TreeShape, params: SamplingParams, generator: torch.Generator | None) -> DraftTree:
         """Several earlier occurrences of the context's final n-gram as branches (`lookup_tree`).
         Deterministic, like the chain: q is one-hot on every child, and `try_children`'s rule is exact
-        at every temperature. A row that found less has placeholders."""
-        found = [self.lookup_tree(shape, row) for row in range(len(self.contexts))]
+        at every temperature."""
+        return self.tree(self.find_trees(shape), shape.depth)
+
+    def find_trees(self, shape: TreeShape) -> list[tuple[list[int], list[int]]]:
+        """Each row's `lookup_tree` (host lists: deciding on them costs no device sync)."""
+        return [self.lookup_tree(shape, row) for row in range(len(self.contexts))]
+
+    def tree(self, found: list[tuple[list[int], list[int]]], depth: int) -> DraftTree:
+        """The rows' tries as one tree; a row that found less has placeholders."""
         width = max(1, *(len(tokens) for tokens, _ in found))
         padded = [tokens + [0] * (width - len(tokens)) for tokens, _ in found]
         padded += [parents + [-1] * (width - len(parents)) for _, parents in found]
         tokens, parents = to_device(padded, self.device).view(2, len(found), width)
-        return DraftTree(tokens, parents, shape.depth)
+        return DraftTree(tokens, parents, depth)
 
     def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None) -> Drafts:
         return self.drafts(self.find(gamma), params)
