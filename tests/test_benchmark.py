@@ -133,6 +133,17 @@ def test_summarize_mode_on_hand_made_records():
     assert row["cost_ratio"] == pytest.approx(c)
     alpha = 9 / 11
     assert row["predicted_speedup"] == pytest.approx((1 - alpha**5) / ((1 - alpha) * (4 * c + 1)))
+    # a block verifies in 0.9 s and drafts in 0.35 s on average, a target-only forward takes 0.5 s
+    assert row["verification_cost"] == pytest.approx(0.9 / 0.5)
+    assert row["drafting_cost"] == pytest.approx(0.35 / 0.5)
+    assert row["predicted_speedup_from_parts"] == pytest.approx((1 + 9 / 4) / (1.8 + 0.7))
+
+
+def test_trees_get_the_prediction_from_measured_parts_only():
+    baseline = [make_run("a", 0, [10.0], BASE_STEPS)]
+    row = summarize_mode(baseline, [make_run("a", 4, [20.0], SPEC_STEPS)], gamma=4, tree="4,3,16")
+    assert row["predicted_speedup"] is None  # Leviathan's formula is a chain's
+    assert row["predicted_speedup_from_parts"] == pytest.approx((1 + 9 / 4) / ((0.9 + 0.35) / 0.5))
 
 
 def test_cost_ratio_counts_only_blocks_that_drafted():

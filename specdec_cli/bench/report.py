@@ -18,7 +18,9 @@ LEVIATHAN = (
     "predicted = (1 - α^(γ+1)) / ((1 - α)(γc + 1)) (Leviathan et al. 2023), α = accepted / "
     "(accepted + rejections), c = draft s per draft token / target-only s per forward, both "
     "measured here; the formula takes a (γ+1)-token verification to cost one forward, so predicted "
-    "above measured is that extra verification cost plus the loop's overhead"
+    "above measured is that extra verification cost plus the loop's overhead. predicted from measured "
+    "parts = (1 + mean accepted per block) / (verification cost + drafting cost per block, each in "
+    "target-only 1-token forwards), for chains and trees alike"
 )
 
 PEER_FAIRNESS = (
@@ -131,6 +133,7 @@ def detail_report(summary: list[dict], rule: str) -> Report:
         ("measured speedup (decode, as Spec-Bench)", lambda r: spread(r["speedup"], ".2f") + "×"),
         ("end-to-end speedup (prefill included)", lambda r: fmt(_value(r.get("end_to_end_speedup")), ".2f", "×")),
         ("predicted speedup (Leviathan)", lambda r: fmt(r["predicted_speedup"], ".2f", "×")),
+        ("predicted speedup (measured parts)", lambda r: fmt(r.get("predicted_speedup_from_parts"), ".2f", "×")),
         ("mean accepted length: tokens per target forward", lambda r: fmt(r["mean_accepted_length"])),
         (
             "mean acceptance length as vLLM: 1 + accepted / drafting blocks",
@@ -141,6 +144,8 @@ def detail_report(summary: list[dict], rule: str) -> Report:
         ("acceptance by draft position", lambda r: " ".join(fmt(p, ".2f") for p in r["acceptance_by_position"])),
         ("time drafting (vs verifying)", lambda r: fmt(r["draft_time_share"], ".1%")),
         ("cost ratio c", lambda r: fmt(r["cost_ratio"], ".3f")),
+        ("verification cost per block (1-token forwards)", lambda r: fmt(r.get("verification_cost"))),
+        ("drafting cost per block (1-token forwards)", lambda r: fmt(r.get("drafting_cost"))),
         (
             "greedy output = target-only's",
             lambda r: "n/a" if r.get("greedy_identical") is None else f"{r['greedy_identical']}/{r['prompts']} prompts",

@@ -11,12 +11,14 @@ from specdec_cli.decoding.metrics import (
     StepRecord,
     acceptance_by_position,
     acceptance_rate,
+    block_costs,
     cost_ratio,
     draft_time_share,
     mean_accepted_length,
     median_and_spread,
     per_token_acceptance,
     predicted_speedup,
+    predicted_speedup_from_parts,
     speedup,
     vllm_mean_acceptance_length,
 )
@@ -43,7 +45,8 @@ def summarize_mode(baseline: list[dict], speculative: list[dict], gamma: int, tr
 
     Tokens/s is the mean over prompts per repeat; its median and (min, max) over repeats are reported.
     Speedup is Spec-Bench's mean(spec tok/s) / mean(baseline tok/s), per repeat, then its median.
-    Leviathan's prediction is a chain's: none for a tree."""
+    Leviathan's prediction is a chain's: none for a tree; the prediction from measured parts is for
+    both (block_costs, predicted_speedup_from_parts)."""
     base_tps = _group_tps(baseline, "tokens_per_second")
     spec_tps = _group_tps(speculative, "tokens_per_second")
     speedups = [speedup(b, s) for b, s in zip(base_tps, spec_tps)]
@@ -71,6 +74,7 @@ def summarize_mode(baseline: list[dict], speculative: list[dict], gamma: int, tr
         else None
     )
     alpha = per_token_acceptance(spec_steps)
+    costs = block_costs(spec_steps, base_steps)
     return {
         "prompts": len(speculative),
         "gamma": gamma,
@@ -89,6 +93,9 @@ def summarize_mode(baseline: list[dict], speculative: list[dict], gamma: int, tr
         "predicted_speedup": (
             predicted_speedup(alpha, gamma, c) if alpha is not None and c is not None and not tree else None
         ),
+        "verification_cost": costs[0] if costs else None,
+        "drafting_cost": costs[1] if costs else None,
+        "predicted_speedup_from_parts": predicted_speedup_from_parts(spec_steps, costs) if costs else None,
         "greedy_identical": greedy_identical(baseline, speculative),
         "baseline_prefill_seconds": _mean_prefill(baseline),
         "speculative_prefill_seconds": _mean_prefill(speculative),

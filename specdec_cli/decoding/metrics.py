@@ -115,6 +115,29 @@ def predicted_speedup(alpha: float, gamma: int, c: float) -> float:
     return expected_tokens / (gamma * c + 1)
 
 
+def block_costs(spec_steps: list[StepRecord], base_steps: list[StepRecord]) -> tuple[float, float] | None:
+    """A speculative block's measured cost in target-only forwards: (its verification, as wide as its
+    chain or tree, over one 1-token forward; its drafting over one 1-token forward). None without steps."""
+    if not spec_steps or not base_steps:
+        return None
+    forward = statistics.fmean(s.verify_seconds for s in base_steps)
+    if forward <= 0:
+        return None
+    verify = statistics.fmean(s.verify_seconds for s in spec_steps)
+    draft = statistics.fmean(s.draft_seconds for s in spec_steps)
+    return verify / forward, draft / forward
+
+
+def predicted_speedup_from_parts(spec_steps: list[StepRecord], costs: tuple[float, float]) -> float:
+    """Leviathan's prediction generalised to trees and to verification that is not free: expected
+    tokens per target forward from the measured acceptance by depth, 1 + sum over depths d of
+    P(a block accepts >= d tokens) (= 1 + mean accepted), over a block's measured cost `costs`
+    (block_costs) in target-only forwards. What it leaves out (the loop's overhead, blocks cut
+    short by EOS or the token limit) is the gap to the measured speedup."""
+    verify, draft = costs
+    return (1 + statistics.fmean(s.accepted for s in spec_steps)) / (verify + draft)
+
+
 def speedup(baseline_tps: list[float], speculative_tps: list[float]) -> float:
     """Spec-Bench's speedup: mean(speculative_tps) / mean(baseline_tps).
 
