@@ -7,7 +7,8 @@ Five checks, all through the code `generate` uses (the sampler functions are loo
    engine's acceptance chances and corrections), and N chains of 2 drafts through its function
    (`verify_sampled` or `verify_block`) emit tokens 1 and 2 as p does: token 1, and token 2 given each
    frequent token 1 (and the bonus token against the distribution after the last position);
-   with a draft tree, N draws of the tree's rule at a node whose children are q's top-k tokens too;
+   with a draft tree, N draws of the tree's rules at a node too: children q's top-k tokens (deterministic
+   candidates), and children drawn from q without replacement (recursive rejection sampling);
 2. first token: N speculative runs (seeds s, s+1, ...) of BLOCKS * (gamma + 1) tokens each, token 1
    against the exact warped target distribution;
 3. positions 2..gamma+1: the same runs, conditional on their most frequent prefixes, against the
@@ -299,21 +300,31 @@ def sampler_draws(
     return torch.cat(first).numpy(), torch.cat(second).numpy(), after
 
 
-def tree_rule_draws(p: torch.Tensor, q: torch.Tensor, children: int, draws: int, gen: torch.Generator) -> np.ndarray:
-    """Counts of the token `tree.try_children` emits at a node whose children are q's top `children`
-    tokens (as a draft tree takes them), over `draws` runs: the first child that passed, else a draw
-    from the leftover."""
+def tree_rule_draws(
+    p: torch.Tensor, q: torch.Tensor, children: int, draws: int, gen: torch.Generator, sampled: bool = False
+) -> np.ndarray:
+    """Counts of the token a draft tree's rule emits at a node of `children` children, over `draws`
+    runs: the first child that passed, else a draw from the leftover. Deterministic candidates: q's
+    top `children` tokens through `tree.try_children`; `sampled`: children drawn from q without
+    replacement (`tree.draw_children`, as a sampled tree takes them) through `tree.recursive_rejection`."""
     vocab = p.shape[-1]
-    tokens = q.topk(children).indices
+    top = q.topk(children).indices
     counts = np.zeros(vocab)
     chunk = max(1, SAMPLER_ELEMENTS // vocab)
     for start in range(0, draws, chunk):
         rows = min(chunk, draws - start)
-        passed, leftover = tree.try_children(
-            p.expand(rows, vocab), tokens.expand(rows, -1), torch.ones(rows, children, dtype=torch.bool), gen
-        )
-        first = torch.where(passed, torch.arange(children), children).min(dim=1).values  # children: none passed
-        emitted = torch.where(first < children, tokens[first.clamp_max(children - 1)], sampling.sample(leftover, gen))
+        targets = p.expand(rows, vocab)
+        if sampled:
+            tokens = tree.draw_children(q.log().expand(rows, vocab), children, gen)
+            drawn = torch.ones(tokens.shape, dtype=torch.bool)
+            passed, leftover = tree.recursive_rejection(targets, q.expand(rows, vocab), tokens, drawn, children, gen)
+        else:
+            tokens = top.expand(rows, -1)
+            passed, leftover = tree.try_children(targets, tokens, torch.ones(tokens.shape, dtype=torch.bool), gen)
+        tried = tokens.shape[1]
+        first = torch.where(passed, torch.arange(tried), tried).min(dim=1).values  # tried: none passed
+        taken = tokens.gather(1, first.clamp_max(tried - 1)[:, None])[:, 0]
+        emitted = torch.where(first < tried, taken, sampling.sample(leftover, gen))
         counts += np.bincount(emitted.numpy(), minlength=vocab)
     return counts
 
@@ -328,8 +339,9 @@ def check_sampler(
     verification: str = "token",
     tree_children: int = 0,
 ) -> list[Row]:
-    """The chain's accept-or-resample on every shape; with `tree_children`, also a draft tree's rule at a
-    node of that many children (q's most probable tokens)."""
+    """The chain's accept-or-resample on every shape; with `tree_children`, also a draft tree's rules at a
+    node of that many children: q's most probable tokens (deterministic candidates), and draws from q
+    without replacement (recursive rejection sampling)."""
     shapes = sampler_shapes(vocab_size, params, seed)
     bonus = (3 * torch.randn(vocab_size, generator=torch.Generator().manual_seed(seed + 1))).softmax(-1)
     errors, what = exact_errors(shapes, verification)
@@ -366,6 +378,10 @@ def check_sampler(
             fit = Fit()
             fit.add(tree_rule_draws(p, q, tree_children, draws, gen), p.double().numpy())
             rows.append(fit.row("1 sampler", f"tree rule draws, {tree_children} children: {name}", significance))
+            fit = Fit()
+            fit.add(tree_rule_draws(p, q, tree_children, draws, gen, sampled=True), p.double().numpy())
+            what = f"recursive rejection draws, {tree_children} children drawn from q: {shape}"
+            rows.append(fit.row("1 sampler", what, significance))
         advance()
     rows.append(bonus_fit.row("1 sampler", "bonus token after full acceptance, all shapes", significance))
     return rows

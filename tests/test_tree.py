@@ -107,11 +107,47 @@ def test_growth_is_eagle2s_dynamic_tree(shape):
     assert fed[0].tolist() == [fed_slot.get(path, -1) for path in paths]
 
 
+def check_sampled_tree(drafted: tree.DraftTree, row: int, log_probs, shape: TreeShape) -> None:
+    """A sampled tree against enumeration: each expanded node's q is the draft's after its path
+    (log_probs(path) -> log q [V]) and it has top_k distinct children drawn from it; the nodes expanded
+    at each depth are the frontier best by path log q; nothing else was cut (sampled_growth's count)."""
+    grown, frontier = tree.sampled_growth(shape)
+    paths = tree_paths(drafted, row)
+    parents = [-1] + drafted.parents[row].tolist()
+    assert len(paths) == 1 + grown.top_k + (grown.depth - 1) * frontier * grown.top_k
+    score = {(): 0.0}
+    for slot, path in enumerate(paths):
+        children = [paths[i][-1] for i, parent in enumerate(parents) if parent == slot]
+        expanded = int(drafted.sampled.of_slot[row, slot])
+        if expanded < 0:
+            assert children == []
+            continue
+        row_log_q = log_probs(path)
+        torch.testing.assert_close(drafted.sampled.probs[row, expanded], row_log_q.exp(), atol=1e-5, rtol=1e-4)
+        assert len(set(children)) == len(children) == grown.top_k
+        assert all(row_log_q[token] > -torch.inf for token in children)
+        score.update({path + (token,): score[path] + float(row_log_q[token]) for token in children})
+    for depth in range(1, grown.depth):
+        at_depth = [path for path in paths if len(path) == depth]
+        expanded = {path for slot, path in enumerate(paths) if int(drafted.sampled.of_slot[row, slot]) >= 0}
+        best = sorted(at_depth, key=score.get, reverse=True)[:frontier]
+        assert expanded & set(at_depth) == set(best)
+
+
+@pytest.mark.parametrize(
+    "shape, depth, frontier", [(TreeShape(4, 3, 16), 4, 1), (TreeShape(2, 4, 20), 2, 4), (TreeShape(4, 4, 6), 1, 1)]
+)
+def test_a_sampled_tree_keeps_every_drawn_child_within_max_nodes(shape, depth, frontier):
+    grown, f = tree.sampled_growth(shape)
+    assert (grown.depth, f) == (depth, frontier)
+    assert grown.top_k + (grown.depth - 1) * f * grown.top_k <= shape.max_nodes
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_a_draft_models_tree_is_the_expansion_of_fresh_forwards(noisy_draft, tokenizer, temperature):
     """The draft's frontier forwards (tree mask and positions in its own cache) score every path as a
-    fresh forward over the context and the path does; sampled, by the warped q."""
-    shape, params = TreeShape(4, 3, 16), SamplingParams(temperature, top_k=20)
+    fresh forward over the context and the path does; sampled, the children are drawn from the warped q."""
+    shape, params = TreeShape(3, 3, 15), SamplingParams(temperature, top_k=20)
     prompts = [tokenizer.encode(p) for p in PROMPTS[1:3]]
     drafter = ModelDrafter(cached(noisy_draft))
     drafter.start(prompts, 100, None)
@@ -124,8 +160,11 @@ def test_a_draft_models_tree_is_the_expansion_of_fresh_forwards(noisy_draft, tok
             logits = fresh.forward(torch.tensor([prompt + list(path)]), logits="last").logits[0, -1]
             return tree.draft_log_probs(logits, params)
 
-        expected, _ = reference_tree(log_probs, shape)
-        assert set(tree_paths(drafted, row)[1:]) == set(expected)
+        if params.greedy:
+            expected, _ = reference_tree(log_probs, shape)
+            assert set(tree_paths(drafted, row)[1:]) == set(expected)
+        else:
+            check_sampled_tree(drafted, row, log_probs, shape)
 
 
 def test_tree_mask_shows_context_and_ancestors_only():
@@ -164,7 +203,7 @@ def started_feature_drafter(target, draft, prompts: list[list[int]]) -> FeatureD
 def test_a_feature_drafts_tree_is_the_expansion_of_its_chain_steps(tiny_target, tokenizer, temperature):
     """Every node is read beside its parent's state: the tree scores each path as the chain's steps
     forced along it do (context beside the target's states, then the path beside the draft's own)."""
-    shape, params = TreeShape(3, 3, 9), SamplingParams(temperature, top_k=20)
+    shape, params = TreeShape(3, 3, 15), SamplingParams(temperature, top_k=20)
     draft = feature_draft(tiny_target)
     prompts = [tokenizer.encode(p) for p in PROMPTS[1:3]]
     drafted = started_feature_drafter(tiny_target, draft, prompts).propose_tree(shape, params, None)
@@ -180,8 +219,11 @@ def test_a_feature_drafts_tree_is_the_expansion_of_its_chain_steps(tiny_target, 
                 logits, state = out.logits[:, -1], out.hidden[:, -1:]
             return tree.draft_log_probs(logits[0], params, drafter.subset)
 
-        expected, _ = reference_tree(log_probs, shape)
-        assert set(tree_paths(drafted, row)[1:]) == set(expected)
+        if params.greedy:
+            expected, _ = reference_tree(log_probs, shape)
+            assert set(tree_paths(drafted, row)[1:]) == set(expected)
+        else:
+            check_sampled_tree(drafted, row, log_probs, shape)
 
 
 # ---------------------------------------------------------------- the sampled rule
@@ -295,6 +337,109 @@ def test_the_walk_emits_the_targets_tokens(params):
     for slot, token in ((1, 1), (2, 3), (3, 4)):  # after a child, the next token is the target's there
         p_values.append(p_value(np.bincount(second[first == token], minlength=6), probs[slot]))
     assert min(p_values) > SIGNIFICANCE / len(p_values), p_values
+
+
+# ---------------------------------------------------------------- the rule for children drawn from q
+
+draw_children = tree.draw_children  # the engine's, for broken variants that wrap it
+
+
+def best_of_drawn(log_probs, count, generator):
+    """Bug: children pruned by value after drawing: of the `count` drawn, only the most probable stays."""
+    drawn = draw_children(log_probs, count, generator)
+    return drawn.gather(-1, log_probs.gather(-1, drawn).argmax(dim=-1, keepdim=True))
+
+
+def broken_recursive_rejection(bug: str):
+    """`tree.recursive_rejection` with one named bug: "q'-not-updated" (x_i stays in q': tested as
+    drawn with replacement), "q'-not-renormalised" (x_i zeroed in q', the rest left as it was),
+    "p'-with-q" (p' = norm(max(0, p' - q)) with the node's q, not q')."""
+
+    def rule(target_probs, draft_probs, tokens, children, count, generator):
+        n = tokens.shape[1]
+        slots, rank = torch.arange(n), children.long().cumsum(dim=1) - 1
+        p, q = target_probs.double(), draft_probs.double()
+        passed = torch.zeros_like(children)
+        u = torch.rand(len(tokens), count, dtype=torch.float64, generator=generator)
+        for i in range(count):
+            slot = torch.where(children & (rank == i), slots, n).min(dim=1).values
+            x = tokens.gather(1, slot.clamp_max(n - 1)[:, None])
+            p_x, q_x = p.gather(1, x)[:, 0], q.gather(1, x)[:, 0]
+            drawn = (slot < n) & (q_x > 0)
+            accept = drawn & (u[:, i] * q_x < p_x)
+            passed |= accept[:, None] & (slots == slot[:, None])
+            rejected = (drawn & ~accept)[:, None]
+            p = torch.where(rejected, residual(p, draft_probs.double() if bug == "p'-with-q" else q), p)
+            if bug != "q'-not-updated":
+                q_without = q.scatter(1, x, 0.0)
+                if bug != "q'-not-renormalised":
+                    q_without = q_without / q_without.sum(dim=1, keepdim=True)
+                q = torch.where(rejected, q_without, q)
+        return passed, p
+
+    return rule
+
+
+BROKEN_RECURSIVE = [
+    pytest.param("recursive_rejection", broken_recursive_rejection("q'-not-updated"), id="q'-not-updated"),
+    pytest.param("recursive_rejection", broken_recursive_rejection("q'-not-renormalised"), id="q'-not-renormalised"),
+    pytest.param("recursive_rejection", broken_recursive_rejection("p'-with-q"), id="p'-with-q"),
+    pytest.param("draw_children", best_of_drawn, id="best-of-drawn-kept"),
+]
+
+RECURSIVE_CASES = [
+    ("flat q, peaked p", [0.4, 0.3, 0.1, 0.1, 0.06, 0.04], [0.15, 0.15, 0.2, 0.2, 0.15, 0.15], 3),
+    ("q misses p's best", [0.5, 0.2, 0.1, 0.1, 0.05, 0.05], [0.0, 0.3, 0.3, 0.2, 0.1, 0.1], 3),
+    ("q has fewer tokens than children", [0.3, 0.3, 0.2, 0.1, 0.1, 0.0], [0.6, 0.0, 0.0, 0.4, 0.0, 0.0], 3),
+    ("q = p", [0.4, 0.3, 0.1, 0.1, 0.06, 0.04], [0.4, 0.3, 0.1, 0.1, 0.06, 0.04], 2),
+    ("peaked q, flat p", [0.2, 0.2, 0.15, 0.15, 0.15, 0.15], [0.02, 0.02, 0.8, 0.1, 0.03, 0.03], 2),
+]
+
+
+def recursive_draws(p: list[float], q: list[float], count: int, seed: int, draws: int = 200_000) -> np.ndarray:
+    """verify-distribution's one-node draws: children drawn from q, the token the rule emits."""
+    return verify.tree_rule_draws(
+        torch.tensor(p), torch.tensor(q), count, draws, torch.Generator().manual_seed(seed), sampled=True
+    )
+
+
+@pytest.mark.parametrize("name, p, q, count", RECURSIVE_CASES, ids=[c[0] for c in RECURSIVE_CASES])
+def test_one_node_with_drawn_children_emits_p(name, p, q, count):
+    assert p_value(recursive_draws(p, q, count, seed=1), p) > SIGNIFICANCE
+
+
+@pytest.mark.parametrize("function, broken", BROKEN_RECURSIVE)
+def test_one_node_check_fails_on_broken_recursive_rules(monkeypatch, function, broken):
+    """What catches the bugs of `recursive_rejection`: they act only after a rejection (p'-with-q after
+    two), so they need a q far from p on few tokens and many draws. The tiny pair's runs (its draft is
+    the target with a little noise: the first child is nearly always accepted) miss them at this
+    file's sample size, and verify-distribution's one-node check on its V = 256 shapes is borderline
+    at its draws; best-of-drawn-kept is caught there too (test_tree_checks_fail_on_broken_engines)."""
+    monkeypatch.setattr(tree, function, broken)
+    failures = [name for name, p, q, count in RECURSIVE_CASES if p_value(recursive_draws(p, q, count, 1), p) < 1e-6]
+    assert failures
+
+
+def test_the_exact_output_of_recursive_rejection_is_p():
+    """Enumerated, not drawn: every ordered draw of the children from q without replacement, with its
+    chance, through the rule's acceptance chances, p' and q' updates."""
+
+    def emitted(p, q, left):
+        if left == 0 or q.sum() == 0:  # every child rejected (or q ran out: the rest never pass)
+            return p
+        out = torch.zeros_like(p)
+        for x in q.nonzero()[:, 0].tolist():
+            accept = min(1.0, float(p[x] / q[x]))
+            out[x] += q[x] * accept
+            without = q.clone()
+            without[x] = 0
+            rest = without / without.sum() if without.sum() > 0 else without
+            out += q[x] * (1 - accept) * emitted(residual(p, q), rest, left - 1)
+        return out
+
+    for _, p, q, count in RECURSIVE_CASES:
+        p, q = torch.tensor(p, dtype=torch.float64), torch.tensor(q, dtype=torch.float64)
+        assert torch.allclose(emitted(p, q, count), p, atol=1e-12)
 
 
 # ---------------------------------------------------------------- the engine
@@ -449,18 +594,31 @@ def failing(rows) -> list[str]:
     return [f"{row.check}: {row.what}" for row in rows if row.status == verify.FAIL]
 
 
-@pytest.mark.parametrize(
-    "params, batch_size",
-    [(SamplingParams(0.6, top_k=20), 1), (SamplingParams(1.0, top_p=0.9), 4)],
-    ids=["T0.6-top-k-batch1", "T1-top-p-batch4"],
-)
+SAMPLED = [
+    (SamplingParams(0.6, top_k=20), 1),
+    (SamplingParams(1.0, top_p=0.9), 4),
+    (SamplingParams(1.0, top_k=20), 4),
+    (SamplingParams(0.6, top_p=0.9), 1),
+]
+SAMPLED_IDS = ["T0.6-top-k-batch1", "T1-top-p-batch4", "T1-top-k-batch4", "T0.6-top-p-batch1"]
+
+
+def accepted(rows: list[verify.Row]) -> int:
+    """Draft tokens accepted over the runs (from the first row's note)."""
+    return int(rows[0].note.split("/")[0])
+
+
+@pytest.mark.parametrize("params, batch_size", SAMPLED, ids=SAMPLED_IDS)
 def test_tree_checks_pass_on_the_real_engine(write_config, params, batch_size):
+    """A draft model's trees at T > 0: children drawn from q, recursive rejection sampling."""
     rows = model_rows(tree_pair(write_config), params, batch_size)
     assert failing(rows) == []
     assert sum(r.p_value is not None for r in rows) >= 5  # the tests ran, not skipped for want of draws
+    assert accepted(rows) > RUNS  # the walk went down the trees
 
 
-def test_feature_tree_checks_pass(write_config, tmp_path):
+@pytest.mark.parametrize("params, batch_size", SAMPLED, ids=SAMPLED_IDS)
+def test_feature_tree_checks_pass(write_config, tmp_path, params, batch_size):
     from test_host_syncs import feature_draft_folder  # specdec's feature draft for an 8-layer tiny target
 
     changes = {
@@ -471,8 +629,9 @@ def test_feature_tree_checks_pass(write_config, tmp_path):
     }
     pair = load_pair(load_config(str(write_config(changes))))
     assert isinstance(pair.drafter, FeatureDrafter)
-    rows = model_rows(pair, SamplingParams(0.6, top_k=20, top_p=0.9), batch_size=4)
+    rows = model_rows(pair, params, batch_size)
     assert failing(rows) == [] and sum(r.p_value is not None for r in rows) >= 5
+    assert accepted(rows) > 0  # the walk went down the trees now and then (a weak draft)
 
 
 def greedy_at_temperature(monkeypatch) -> None:
@@ -505,14 +664,20 @@ def rejected_keys_kept(monkeypatch) -> None:
     monkeypatch.setattr(CachedModel, "compact", rejected_keys_kept_compact)
 
 
+def eagle2_cut_of_drawn_children(monkeypatch) -> None:
+    """Sampled children grown as EAGLE-2's tree: a frontier of top_k and the max_nodes most probable
+    nodes kept, so a node loses children for their values after they were drawn."""
+    monkeypatch.setattr(tree, "sampled_growth", lambda shape: (shape, shape.top_k))
+
+
 @pytest.mark.parametrize(
     "inject",
     [
         pytest.param(greedy_at_temperature, id="greedy-at-T>0"),
-        pytest.param(lambda mp: mp.setattr(tree, "try_children", siblings_tested_against_p), id="siblings-against-p"),
-        pytest.param(lambda mp: mp.setattr(tree, "try_children", p_prime_not_renormalised), id="p'-not-renormalised"),
         pytest.param(sibling_in_mask, id="sibling-in-mask"),
         pytest.param(rejected_keys_kept, id="rejected-keys-visible"),
+        pytest.param(lambda mp: mp.setattr(tree, "draw_children", best_of_drawn), id="best-of-drawn-kept"),
+        pytest.param(eagle2_cut_of_drawn_children, id="eagle2-cut-of-drawn-children"),
     ],
 )
 def test_tree_checks_fail_on_broken_engines(write_config, monkeypatch, inject):

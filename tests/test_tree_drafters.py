@@ -10,7 +10,7 @@ from itertools import islice
 import pytest
 import torch
 from test_block_drafts import TARGET, write_dflash, write_medusa_vllm
-from test_tree import ONE_THREAD, SIGNIFICANCE, failing, tree_paths
+from test_tree import ONE_THREAD, SIGNIFICANCE, failing, siblings_tested_against_p, tree_paths
 
 from specdec_cli import verify
 from specdec_cli.config import TreeShape, load_config
@@ -173,12 +173,23 @@ def branches_not_merged(self, shape: TreeShape, row: int) -> tuple[list[int], li
     return tokens, parents
 
 
-@pytest.mark.parametrize("broken", [False, True], ids=["trie", "branches-not-merged"])
-def test_lookup_tree_checks_pass_and_catch_repeated_siblings(write_config, tmp_path, tokenizer, monkeypatch, broken):
+@pytest.mark.parametrize(
+    "inject",
+    [
+        None,
+        lambda mp: mp.setattr(NgramDrafter, "lookup_tree", branches_not_merged),
+        lambda mp: mp.setattr(tree, "try_children", siblings_tested_against_p),
+    ],
+    ids=["trie", "branches-not-merged", "siblings-against-p"],
+)
+def test_lookup_tree_checks_pass_and_catch_broken_rules(write_config, tmp_path, tokenizer, monkeypatch, inject):
+    """A lookup trie is verified with `try_children` at T > 0 (a draft model's sampled tree is not):
+    the deterministic-candidate rule's bugs are caught here. p' not renormalised under-samples the
+    second branch only, too rare here: the one-node checks catch it (tests/test_tree.py)."""
     pair = pair_of(write_config, tmp_path, "ngram")
     ids, _ = branch_prompt(tokenizer, pair.target.model, temperature=0.6)
-    if broken:
-        monkeypatch.setattr(NgramDrafter, "lookup_tree", branches_not_merged)
+    if inject:
+        inject(monkeypatch)
     rows = rows_of(pair, ids, SamplingParams(0.6), batch_size=4)
-    assert bool(failing(rows)) == broken
+    assert bool(failing(rows)) == bool(inject)
     assert accepted(rows) > RUNS / 10

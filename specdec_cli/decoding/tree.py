@@ -12,7 +12,9 @@ verification the accepted path is moved to the slots right after the root (`Cach
 where a chain would have put it; slots past the path are never visible again.
 
 Verification walks from the root. Greedy: go to the child whose token is the target's argmax, while
-there is one; emit the target's argmax where the walk stops. Sampled: `try_children` below.
+there is one; emit the target's argmax where the walk stops. Sampled: `recursive_rejection` below
+where the tree's children were drawn from the draft's q (`SampledChildren`), else `try_children`
+(deterministic candidates: a top-k, a static tree, a lookup trie).
 """
 
 from __future__ import annotations
@@ -29,12 +31,22 @@ from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.decoding.sampling import residual, sample, warp
 
 
+class SampledChildren(NamedTuple):
+    """A tree whose every expanded node's children are all the `count` tokens drawn from the draft's
+    q at that node without replacement, in the order drawn (`draw_children`)."""
+
+    probs: torch.Tensor  # [B, m, V] q at each expanded node: the distribution its children were drawn from
+    of_slot: torch.Tensor  # [B, n + 1] each slot's row in probs (-1: not expanded, no children)
+    count: int  # children per expanded node
+
+
 class DraftTree(NamedTuple):
     tokens: torch.Tensor  # [B, n] node tokens
     # [B, n] each node's parent slot: 0 the root, i + 1 node i (< its own slot); -1 a placeholder that
     # is no node of the tree (a row that drafted nothing: the walk emits the target's token at the root)
     parents: torch.Tensor
     depth: int  # the depth the tree was drafted to: no path is longer
+    sampled: SampledChildren | None = None  # None: the children are deterministic candidates
 
     @property
     def slot_parents(self) -> torch.Tensor:
@@ -44,7 +56,10 @@ class DraftTree(NamedTuple):
     def without(self, rows: torch.Tensor) -> DraftTree:
         """The tree with the rows where `rows` [B] is True drafting nothing (every node a placeholder)."""
         return DraftTree(
-            self.tokens.masked_fill(rows[:, None], 0), self.parents.masked_fill(rows[:, None], -1), self.depth
+            self.tokens.masked_fill(rows[:, None], 0),
+            self.parents.masked_fill(rows[:, None], -1),
+            self.depth,
+            self.sampled,
         )
 
 
@@ -91,20 +106,55 @@ def target_region(tree: DraftTree, start: list[int]) -> Region:
     return Region(start, visible.sum(-1) - 1, visible)
 
 
-class TreeGrowth:
-    """EAGLE-2's dynamic tree, drafted depth by depth. `grow` takes the draft's log probabilities at
-    the frontier (first the root alone) and adds each frontier node's top_k children as candidates,
-    scored by path log probability (the sum along the path); the next frontier is the top_k new
-    candidates. The draft feeds each frontier but the last (`frontier_tokens`, `region`) in its own
-    cache after the root: its fed slots are 0 the root, then top_k per depth. `select` keeps the
-    max_nodes best candidates: a path's score falls along it, so they include every kept node's
-    parent (ties keep the shallower first). `frontier`: how many new candidates the next depth
-    expands (EAGLE-2's top_k unless given)."""
+def sampled_growth(shape: TreeShape) -> tuple[TreeShape, int]:
+    """The shape a sampled tree is grown to, and its frontier f. Every expanded node keeps all its
+    top_k drawn children (recursive rejection sampling needs them all, and no value-based cut), so
+    max_nodes bounds the growth instead: f is the largest f <= top_k with
+    top_k + (depth - 1) f top_k <= max_nodes; the depth is cut where even f = 1 overflows (and
+    top_k to max_nodes)."""
+    top_k = min(shape.top_k, shape.max_nodes)
+    depth = min(shape.depth, shape.max_nodes // top_k)
+    frontier = (shape.max_nodes - top_k) // ((depth - 1) * top_k) if depth > 1 else 1
+    return replace(shape, depth=depth, top_k=top_k), min(frontier, top_k)
 
-    def __init__(self, shape: TreeShape, batch: int, device: torch.device, frontier: int | None = None):
+
+def draw_children(log_probs: torch.Tensor, count: int, generator: torch.Generator | None) -> torch.Tensor:
+    """`count` tokens drawn from q without replacement, in the order drawn: the top `count` of
+    log q + Gumbel noise (Gumbel-top-k). log_probs [..., V] log q -> [..., count]. Where q has fewer
+    than `count` tokens, the rest are tokens of q = 0 (never accepted)."""
+    noise = torch.empty(log_probs.shape, dtype=torch.float64, device=log_probs.device).exponential_(generator=generator)
+    keys = log_probs.double() - noise.clamp_min_(torch.finfo(noise.dtype).tiny).log()
+    return keys.topk(count, dim=-1).indices
+
+
+class TreeGrowth:
+    """A dynamic tree, drafted depth by depth. `grow` takes the draft's log probabilities at the
+    frontier (first the root alone) and adds top_k children of each frontier node as candidates,
+    scored by path log probability (the sum along the path); the next frontier is the `frontier`
+    best new candidates. The draft feeds each frontier but the last (`frontier_tokens`, `region`) in
+    its own cache after the root: its fed slots are 0 the root, then the frontier per depth. `select`
+    keeps the max_nodes best candidates: a path's score falls along it, so they include every kept
+    node's parent (ties keep the shallower first).
+
+    Greedy (`generator` None, see `for_drafting`): EAGLE-2's tree, the children are each node's
+    top_k and the frontier top_k. Sampled: the children are drawn from q (`draw_children`), the
+    shape is `sampled_growth`'s, so `select` keeps every candidate, and the tree carries each
+    expanded node's q (`SampledChildren`)."""
+
+    def __init__(
+        self,
+        shape: TreeShape,
+        batch: int,
+        device: torch.device,
+        frontier: int | None = None,
+        generator: torch.Generator | None = None,
+        sampled: bool = False,
+    ):
         self.shape = shape
         self.frontier_size = frontier or shape.top_k
         self.device = device
+        self.sampled, self.generator = sampled, generator
+        self.probs: list[torch.Tensor] = []  # sampled: per depth [B, f, V], q at the frontier, in fed order
         self.tokens: list[torch.Tensor] = []  # per depth [B, c]
         self.scores: list[torch.Tensor] = []  # per depth [B, c]: path log probability
         self.parents: list[torch.Tensor] = []  # per depth [B, c]: parent candidate, counted from 1 (0: root)
@@ -112,20 +162,40 @@ class TreeGrowth:
         self.frontier = torch.zeros(batch, 1, dtype=torch.long, device=device)  # candidates, from 1 (0: root)
         self.frontier_scores = torch.zeros(batch, 1, device=device)
         # the draft's cache: per fed slot, its ancestors among the fed slots (itself included)
-        fed = 1 + (shape.depth - 1) * shape.top_k
+        fed = 1 + (shape.depth - 1) * self.frontier_size
         self.fed_visible = torch.eye(fed, dtype=torch.bool, device=device).expand(batch, fed, fed).clone()
         self.fed_depths = torch.zeros(batch, fed, dtype=torch.long, device=device)
         self.fed_of = [torch.zeros(batch, 1, dtype=torch.long, device=device)]  # per candidate its fed slot, -1
         self.fed = 1  # fed slots so far: the root
 
+    @classmethod
+    def for_drafting(
+        cls,
+        shape: TreeShape,
+        params: SamplingParams,
+        batch: int,
+        device: torch.device,
+        generator: torch.Generator | None,
+    ) -> TreeGrowth:
+        """A draft's tree: EAGLE-2's when greedy, else children sampled from q (`sampled_growth`)."""
+        if params.greedy:
+            return cls(shape, batch, device)
+        shape, frontier = sampled_growth(shape)
+        return cls(shape, batch, device, frontier, generator, sampled=True)
+
     def grow(self, log_probs: torch.Tensor) -> None:
         """log_probs [B, f, V]: the draft's next-token log probabilities at the f frontier nodes."""
-        top = log_probs.topk(self.shape.top_k, dim=-1)  # [B, f, k], most probable first
+        if self.sampled:
+            tokens = draw_children(log_probs, self.shape.top_k, self.generator)  # [B, f, k] in the order drawn
+            values = log_probs.gather(-1, tokens)
+            self.probs.append(log_probs.softmax(dim=-1))  # exactly what the draws came from
+        else:
+            values, tokens = log_probs.topk(self.shape.top_k, dim=-1)  # [B, f, k], most probable first
         batch = log_probs.shape[0]
-        scores = (self.frontier_scores[..., None] + top.values).reshape(batch, -1)
-        self.tokens.append(top.indices.reshape(batch, -1))
+        scores = (self.frontier_scores[..., None] + values).reshape(batch, -1)
+        self.tokens.append(tokens.reshape(batch, -1))
         self.scores.append(scores)
-        self.parents.append(self.frontier[..., None].expand_as(top.indices).reshape(batch, -1))
+        self.parents.append(self.frontier[..., None].expand_as(tokens).reshape(batch, -1))
         self.fed_of.append(torch.full_like(scores, -1, dtype=torch.long))
         best = scores.topk(min(self.frontier_size, scores.shape[1]), dim=-1, sorted=True)
         self.frontier = self.count + 1 + best.indices
@@ -151,7 +221,7 @@ class TreeGrowth:
     def region(self, root: list[int]) -> Region:
         """Where the frontier goes in the draft's cache (after the fed slots, the root's at `root`);
         records the frontier as fed."""
-        k, start = self.shape.top_k, self.fed
+        k, start = self.frontier.shape[1], self.fed
         parent_fed = self.frontier_parents
         rows = self.fed_visible.gather(1, parent_fed[..., None].expand(-1, -1, self.fed_visible.shape[2]))
         self.fed_visible[:, start : start + k] |= rows
@@ -163,7 +233,8 @@ class TreeGrowth:
 
     def select(self) -> tuple[DraftTree, torch.Tensor]:
         """The tree of the max_nodes best candidates, and each of its slots' fed slot in the draft's
-        cache [B, n + 1] (-1: not fed; the root's is 0)."""
+        cache [B, n + 1] (-1: not fed; the root's is 0). A sampled tree's fed slots are its expanded
+        nodes, fed in the order their q was given to `grow`."""
         scores = torch.cat(self.scores, dim=1)  # [B, C], shallower candidates first
         n = min(self.shape.max_nodes, scores.shape[1])
         chosen = scores.sort(dim=1, descending=True, stable=True).indices[:, :n].sort(dim=1).values  # [B, n]
@@ -172,7 +243,8 @@ class TreeGrowth:
         parents = slot_of.gather(1, torch.cat(self.parents, dim=1).gather(1, chosen))
         fed_of = torch.cat(self.fed_of, dim=1)
         fed = torch.cat([fed_of[:, :1], fed_of.gather(1, chosen + 1)], dim=1)
-        return DraftTree(torch.cat(self.tokens, dim=1).gather(1, chosen), parents, self.shape.depth), fed
+        sampled = SampledChildren(torch.cat(self.probs, dim=1), fed, self.shape.top_k) if self.sampled else None
+        return DraftTree(torch.cat(self.tokens, dim=1).gather(1, chosen), parents, self.shape.depth, sampled), fed
 
 
 def static_tree(log_probs: torch.Tensor, shape: TreeShape) -> DraftTree:
@@ -286,16 +358,75 @@ def try_children(
     return passed, residual(target_probs, drafted)  # p with the children zeroed, renormalised
 
 
+def recursive_rejection(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    tokens: torch.Tensor,
+    children: torch.Tensor,
+    count: int,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The test at one node per row when its children were drawn from q without replacement
+    (`draw_children`). target_probs [B, V]: p; draft_probs [B, V]: q, the distribution the node's
+    children were drawn from; tokens, children: as `try_children`, the children in the order drawn,
+    at most `count` of them. Returns (passed [B, n], leftover [B, V]) as `try_children`.
+
+    The rule (recursive rejection sampling, Jeon et al. 2024): p' = p, q' = q. For the children
+    x_1, x_2, ... in the order drawn: accept x_i with probability min(1, p'(x_i) / q'(x_i)); on
+    rejection set p' = norm(max(0, p' - q')), then remove x_i from q' and renormalise. If every child
+    is rejected, draw from p'. A child of q'(x_i) = 0 (q had fewer tokens than children) never passes
+    and changes neither p' nor q'.
+
+    Why the output is distributed as p: x_1 ~ q' is the chain's test of one draft, which emits y
+    with probability min(p'(y), q'(y)) when it accepts, and rejects with probability
+    r = 1 - sum min(p', q'). Given x_1, the next child is a draw from q'' = q' without x_1,
+    renormalised: exactly the next draw without replacement. So the rest of the walk is the same
+    rule with p'' = norm(max(0, p' - q')) and q'', and by induction (the last step: a draw from p'')
+    it emits p''; p'' does not depend on x_1, so in all the node emits
+    min(p'(y), q'(y)) + r p''(y) = min(p', q') + max(0, p' - q') = p'(y). The order matters: testing
+    x_i against q instead of q'' (drawn without replacement, tested as with), forgetting to
+    renormalise q'', updating p' with q instead of q', or dropping children after looking at their
+    values (EAGLE-2's final cut) each breaks it; tests/test_tree.py shows the checks catch them.
+
+    Every row draws `count` uniforms per node whether or not it has children (no host sync)."""
+    n = tokens.shape[1]
+    slots = torch.arange(n, device=tokens.device)
+    rank = children.long().cumsum(dim=1) - 1  # each child's place among its siblings
+    p, q = target_probs.double(), draft_probs.double()
+    passed = torch.zeros_like(children)
+    u = torch.rand(len(tokens), count, dtype=torch.float64, device=tokens.device, generator=generator)
+    for i in range(count):
+        slot = torch.where(children & (rank == i), slots, n).min(dim=1).values  # [B]: the i-th child (n: none)
+        x = tokens.gather(1, slot.clamp_max(n - 1)[:, None])  # [B, 1]
+        p_x, q_x = p.gather(1, x)[:, 0], q.gather(1, x)[:, 0]
+        drawn = (slot < n) & (q_x > 0)
+        accept = drawn & (u[:, i] * q_x < p_x)
+        passed |= accept[:, None] & (slots == slot[:, None])
+        rejected = (drawn & ~accept)[:, None]
+        p = torch.where(rejected, residual(p, q), p)
+        q_without = q.scatter(1, x, 0.0)
+        q = torch.where(
+            rejected, q_without / q_without.sum(dim=1, keepdim=True).clamp_min(torch.finfo(q.dtype).tiny), q
+        )
+    return passed, p
+
+
 def verify_sampled(
     tree: DraftTree, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The walk with `try_children` at every node (warping only the nodes it visits), then a token
+    """The walk with the tree's rule at every node (warping only the nodes it visits):
+    `recursive_rejection` where its children were drawn from q, else `try_children`; then a token
     drawn from the leftover where it stopped (p itself at a leaf: the bonus token).
     target_logits [B, n + 1, V] -> (num_accepted [B], next_token [B], path [B, depth + 1])."""
     rows = torch.arange(len(target_logits), device=target_logits.device)
+    sampled = tree.sampled
 
     def test(node, children):
-        return try_children(warp(target_logits[rows, node], params), tree.tokens, children, generator)
+        p = warp(target_logits[rows, node], params)
+        if sampled is None:
+            return try_children(p, tree.tokens, children, generator)
+        q = sampled.probs[rows, sampled.of_slot[rows, node].clamp_min(0)]  # a node without children: any q
+        return recursive_rejection(p, q, tree.tokens, children, sampled.count, generator)
 
     num_accepted, path, leftover = walk(tree, test)
     return num_accepted, sample(leftover, generator), path

@@ -92,9 +92,10 @@ class FeatureDrafter:
         self.pending_states = [target_states[row, : accepted + 1] for row, accepted in enumerate(num_accepted)]
 
     def propose_tree(self, shape: TreeShape, params: SamplingParams, generator: torch.Generator | None) -> DraftTree:
-        """EAGLE-2's tree (decoding/tree.py): the root's children from the context's last input, then
-        one forward per depth over the frontier, each node beside its parent's state, with the tree's
-        mask after the root. A row without a state yet drafts placeholders."""
+        """A dynamic tree (decoding/tree.py's `TreeGrowth`: EAGLE-2's when greedy, children drawn from
+        q when sampling): the root's children from the context's last input, then one forward per
+        depth over the frontier, each node beside its parent's state, with the tree's mask after the
+        root. A row without a state yet drafts placeholders."""
         rows_without_state = [not p for p in self.pending]  # decided on the host: no device sync
         if all(rows_without_state):
             self.root = [length - 1 for length in self.model.lengths]
@@ -104,9 +105,9 @@ class FeatureDrafter:
         self.root = [length - 1 for length in self.model.lengths]
         last = to_device([max(len(p) - 1, 0) for p in self.pending], self.model.device)  # each row's last input
         states = out.hidden[torch.arange(len(last), device=last.device), last][:, None]  # [B, 1, H] at the root
-        growth = TreeGrowth(shape, len(self.pending), self.model.device)
+        growth = TreeGrowth.for_drafting(shape, params, len(self.pending), self.model.device, generator)
         growth.grow(draft_log_probs(out.logits, params, self.subset))
-        for _ in range(shape.depth - 1):
+        for _ in range(growth.shape.depth - 1):
             # each frontier node beside its parent's state; the fed slots' states, in order
             inputs = feature_inputs(
                 self.model.model,

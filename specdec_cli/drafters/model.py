@@ -98,14 +98,15 @@ class ModelDrafter:
         ]
 
     def propose_tree(self, shape: TreeShape, params: SamplingParams, generator: torch.Generator | None) -> DraftTree:
-        """EAGLE-2's tree (decoding/tree.py): the root's children from the context's last logits, then
-        one forward per depth over the frontier, with the tree's mask, after the root in the cache."""
+        """A dynamic tree (decoding/tree.py's `TreeGrowth`: EAGLE-2's when greedy, children drawn from
+        q when sampling): the root's children from the context's last logits, then one forward per
+        depth over the frontier, with the tree's mask, after the root in the cache."""
         next_input, counts = right_padded(self.pending, self.model.device)
         logits = self.model.forward(next_input, counts=counts, logits="last").logits  # [B, 1, V]
         self.root = [length - 1 for length in self.model.lengths]
-        growth = TreeGrowth(shape, len(self.pending), self.model.device)
+        growth = TreeGrowth.for_drafting(shape, params, len(self.pending), self.model.device, generator)
         growth.grow(draft_log_probs(logits, params))
-        for _ in range(shape.depth - 1):
+        for _ in range(growth.shape.depth - 1):
             logits = self.model.forward(growth.frontier_tokens, region=growth.region(self.root)).logits
             growth.grow(draft_log_probs(logits, params))
         tree, self.fed = growth.select()
