@@ -99,8 +99,10 @@ class Sampling:
 
 @dataclass(frozen=True)
 class TreeShape:
-    """A draft tree (EAGLE-2's dynamic tree): per depth, the top_k children of the top_k most probable
-    frontier nodes are drafted; the max_nodes most probable nodes of all are verified in one forward."""
+    """A draft tree. Greedy, EAGLE-2's dynamic tree: per depth, the top_k children of the top_k most
+    probable frontier nodes are drafted; the max_nodes most probable nodes of all are verified in one
+    forward. Sampled, from a draft model: top_k children drawn from q per expanded node, all kept,
+    with max_nodes bounding how many nodes a depth expands (decoding/tree.py, sampled_growth)."""
 
     depth: int = 4
     top_k: int = 3
