@@ -61,12 +61,12 @@ def generate(config: Path, *args: str) -> tuple[int, str, str]:
     return result.exit_code, result.stdout, result.stderr
 
 
-@pytest.mark.parametrize("command", ["benchmark --peer vllm", "generate --engine vllm"])
+@pytest.mark.parametrize("command", ["benchmark --peer vllm", "benchmark --engine vllm", "generate --engine vllm"])
 def test_without_vllms_environment_vllm_is_one_error_line(command, files, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv(PYTHON_ENV, raising=False)
     if command.startswith("benchmark"):
-        code, out, err = benchmark(*files, "--peer", "vllm")
+        code, out, err = benchmark(*files, *command.split()[1:])
     else:
         code, out, err = generate(files[0], "--prompt", "abc")
     assert code == 2 and out == ""
@@ -111,6 +111,31 @@ def test_generate_in_vllm_refuses_what_it_cannot_do(files, tmp_path):
     config.write_text(yaml.safe_dump({**VLLM_TINY, "runtime": {"tensor_parallel_size": 0}}))
     code, _, err = generate(config, "--prompt", "abc")
     assert code == 2 and err.splitlines() == ["Error: runtime.tensor_parallel_size must be >= 1, got 0"]
+
+
+@pytest.mark.parametrize(
+    "options, error",
+    [
+        ("--peer hf", "--peer sets a peer beside specdec's loop; with --engine vllm nothing runs in it"),
+        ("--peer vllm", "--peer sets a peer beside specdec's loop; with --engine vllm nothing runs in it"),
+        ("--tree 2,2,4", "--engine vllm drafts chains verified token by token: no --tree, no block rule"),
+        ("--verification token,block", "--engine vllm drafts chains verified token by token: no --tree, no block rule"),
+    ],
+)
+def test_benchmark_in_vllm_refuses_what_it_cannot_do(files, options, error):
+    code, out, err = benchmark(*files, "--engine", "vllm", *options.split())
+    assert code == 2 and out == "" and err.splitlines() == [f"Error: {error}"]
+
+
+def test_benchmark_in_vllm_refuses_a_draft_vllm_cannot_run_before_any_work(files, tmp_path, monkeypatch):
+    monkeypatch.setenv(PYTHON_ENV, sys.executable)  # found, never started: the draft is refused first
+    config = tmp_path / "lookup-ahead.yaml"
+    draft = {"tiny": {"seed": 0}, "lookup": {"max_n": 3, "min_n": 1}}
+    config.write_text(yaml.safe_dump({**VLLM_TINY, "draft": draft}))
+    code, _, err = benchmark(config, files[1], "--engine", "vllm")
+    assert code == 2 and err.splitlines() == [
+        "Error: vLLM has no equivalent of prompt lookup ahead of a draft model (draft.lookup)"
+    ]
 
 
 def test_failure_line_finds_the_cause_below_vllms_pointers():
