@@ -7,7 +7,7 @@ from dataclasses import asdict
 
 from specdec_cli import display, records
 from specdec_cli.bench import charts
-from specdec_cli.bench.plan import HF, VLLM, Mode, Plan
+from specdec_cli.bench.plan import HF, SPECDEC, VLLM, Mode, Plan
 from specdec_cli.bench.prompts import Prompt
 from specdec_cli.bench.report import (
     batch_report,
@@ -34,13 +34,21 @@ def execute(
     min_speedup: float | None,
     min_accept_length: float | None,
 ) -> None:
-    if plan.peer == VLLM:
+    if VLLM in (plan.engine, plan.peer):
         from specdec_cli.vllm_engine.client import vllm_python
 
         vllm_python()  # before any work: without vLLM's environment the run could not finish
-    with display.stderr.status(f"Loading {cfg.target.describe()} and {cfg.draft.describe()}..."):
-        pair = load_pair(cfg)
     caption, note = None, None
+    if plan.engine == VLLM:
+        from specdec_cli.bench.vllm_peer import VLLM_ENGINE, target_text
+        from specdec_cli.vllm_engine.settings import speculative_config
+
+        speculative_config(cfg.draft, plan.gammas[0])  # a draft vLLM cannot run: one line before any work
+        pair = target_text(cfg)  # vLLM loads the models: specdec only encodes the prompts
+        caption = VLLM_ENGINE
+    else:
+        with display.stderr.status(f"Loading {cfg.target.describe()} and {cfg.draft.describe()}..."):
+            pair = load_pair(cfg)
     if plan.peer == HF:
         from specdec_cli.bench.peers import hf_drafting, peer_caption
 
@@ -53,25 +61,41 @@ def execute(
         caption = " ".join([VLLM_FAIRNESS] + ([note] if note else []))
     if note:
         display.stderr.print(f"Note: {note}")
-    modes = plan.modes()
+    runs, batch_runs, partial, versions = [], [], False, None
+    vllm_modes = [mode for modes in plan.vllm_modes().values() for mode in modes]
+    batched = plan.batch_modes() + plan.batched(vllm_modes)
     with display.progress() as progress:
-        task = progress.add_task(f"warm-up ({plan.warmup} per mode)", total=len(prompts) * len(modes))
+        batch_task = progress.add_task("batches", total=len(batched)) if batched else None
+        begun = []  # the (batch size, mode) pairs begun so far
 
-        def on_run(i: int, n: int, prompt: Prompt, mode: Mode) -> None:
+        def on_batch(size: int, mode: Mode, start: int, n: int) -> None:
+            if (size, mode) not in begun:
+                begun.append((size, mode))
             progress.update(
-                task,
-                completed=i * len(modes) + modes.index(mode),
-                description=f"prompt {i + 1}/{n} {prompt.id}: {mode.label}",
+                batch_task,
+                completed=len(begun) - 1,
+                description=f"batch size {size}, prompts {start + 1}-{min(start + size, n)}/{n}: {mode.label}",
             )
 
-        runs, partial = run_benchmark(pair, prompts, plan, on_run)
-        progress.update(task, completed=len(runs))
-        peer_version = None
-        if plan.peer == VLLM and not partial:
+        if plan.engine == SPECDEC:
+            modes = plan.modes()
+            task = progress.add_task(f"warm-up ({plan.warmup} per mode)", total=len(prompts) * len(modes))
+
+            def on_run(i: int, n: int, prompt: Prompt, mode: Mode) -> None:
+                progress.update(
+                    task,
+                    completed=i * len(modes) + modes.index(mode),
+                    description=f"prompt {i + 1}/{n} {prompt.id}: {mode.label}",
+                )
+
+            runs, partial = run_benchmark(pair, prompts, plan, on_run)
+            progress.update(task, completed=len(runs))
+            if plan.batch_modes() and not partial:
+                batch_runs, partial = run_batches(pair, prompts, plan, on_batch)
+        if vllm_modes and not partial:
             from specdec_cli.bench.vllm_peer import run_vllm
 
-            total = len(prompts) * sum(len(modes) for modes in plan.vllm_modes().values())
-            vllm_task = progress.add_task("vllm: starting an engine", total=total)
+            vllm_task = progress.add_task("vllm: starting an engine", total=len(prompts) * len(vllm_modes))
             started = []  # the runs begun so far
 
             def on_vllm_run(i: int, n: int, prompt: Prompt, mode: Mode) -> None:
@@ -80,29 +104,24 @@ def execute(
                 )
                 started.append(mode)
 
-            vllm_runs, partial, version = run_vllm(pair, prompts, plan, on_vllm_run)
+            done = run_vllm(pair, prompts, plan, on_vllm_run, on_batch)
             progress.update(vllm_task, completed=len(started))
-            runs += vllm_runs
-            peer_version = {"vllm": version}
-        batch_runs = []
-        if len(plan.batch_sizes) > 1 and not partial:
-            batched = plan.batch_modes()
-            batch_task = progress.add_task("batches", total=len(batched))
-
-            def on_batch(size: int, mode: Mode, start: int, n: int) -> None:
-                progress.update(
-                    batch_task,
-                    completed=batched.index((size, mode)),
-                    description=f"batch size {size}, prompts {start + 1}-{min(start + size, n)}/{n}: {mode.label}",
-                )
-
-            batch_runs, partial = run_batches(pair, prompts, plan, on_batch)
-            progress.update(batch_task, completed=len(batched))
-    summary = summarize(runs)
+            runs, batch_runs, partial = runs + done.runs, batch_runs + done.batch_runs, done.partial
+            versions = {"vllm": done.version}
+        if batch_task is not None:
+            progress.update(batch_task, completed=len(begun))
+    summary = summarize(runs, plan.engine)
     batch_summary = summarize_batches(runs, batch_runs)
     peers = summarize_peers(runs)
+    if plan.engine == VLLM:
+        from specdec_cli.vllm_engine.settings import environment
+
+        where = environment(cfg, str(pair.dtype).removeprefix("torch."), versions["vllm"] if versions else "")
+    else:
+        where = pair.describe()
     record = {
-        **records.header("benchmark", cfg, pair.describe()),
+        **records.header("benchmark", cfg, where),
+        "engine": plan.engine,
         "partial": partial,
         "settings": {
             **asdict(plan),
@@ -111,8 +130,9 @@ def execute(
         },
         "summary": summary,
         "peers": peers,
-        "peer_fairness": caption,
-        "peer_versions": peer_version,
+        "peer_fairness": caption if plan.peer else None,
+        "engine_note": caption if plan.engine == VLLM else None,
+        "peer_versions": versions if plan.peer else None,
         "batch_summary": batch_summary,
         "prompt_set": [asdict(p) for p in prompts],
         "runs": runs,
@@ -120,7 +140,7 @@ def execute(
     }
     rule = verification(record)
     tables = (
-        [category_report(summary, cfg.draft.describe(), rule), detail_report(summary, rule)]
+        [category_report(summary, cfg.draft.describe(), rule, record["engine_note"]), detail_report(summary, rule)]
         + ([peer_report(peers, caption)] if peers else [])
         + ([batch_report(batch_summary, rule)] if batch_runs else [])
     )

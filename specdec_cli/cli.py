@@ -174,7 +174,8 @@ def generate(
   specdec benchmark --min-speedup 1.2 --min-accept-length 2 --json > result.json\n
   specdec benchmark --batch-sizes 1,2,4,8 --max-new-tokens 64\n
   specdec benchmark --temperatures 1 --verification token,block   # both rules side by side\n
-  specdec benchmark -c smollm2-draft-only --tree 4,3,16 --tree 3,2,8   # a chain and two trees side by side"""
+  specdec benchmark -c smollm2-draft-only --tree 4,3,16 --tree 3,2,8   # a chain and two trees side by side\n
+  specdec benchmark -c smollm2-ngram --engine vllm --batch-sizes 1,4   # the config in vLLM"""
 )
 @reports_errors
 def benchmark(
@@ -231,6 +232,13 @@ def benchmark(
             "batch size where speculation stops paying."
         ),
     ] = None,
+    engine: Annotated[
+        Engine,
+        typer.Option(
+            help="specdec's loop, or vllm: the config's benchmark in vLLM (after `specdec setup-vllm`), with "
+            "runtime's tensor and pipeline parallel sizes; --batch-sizes sends that many prompts per call."
+        ),
+    ] = Engine.specdec,
     min_speedup: Annotated[
         Optional[float], typer.Option(help="Exit 4 unless every overall speedup reaches this.")
     ] = None,
@@ -272,6 +280,7 @@ def benchmark(
         parse_list(batch_sizes, int, "--batch-sizes"),
         [parse_tree(shape) for shape in tree or []],
         parse_list(verification, str, "--verification"),
+        engine.value,
     )
     selected = choose_prompts(prompts, category, limit)
     from specdec_cli.benchmark import execute  # torch/transformers load only once arguments are fine

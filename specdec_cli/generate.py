@@ -157,7 +157,13 @@ def generate_vllm(cfg: Config, prompts: list[Prompt], raw: bool, as_json: bool) 
     turns, encoded by specdec, in one call that vLLM schedules itself; the draft as its speculative_config.
     Times are the call's, end to end."""
     from specdec_cli.vllm_engine.client import VllmWorker, vllm_python
-    from specdec_cli.vllm_engine.settings import engine_settings, sampling, speculative_config, vllm_steps
+    from specdec_cli.vllm_engine.settings import (
+        engine_settings,
+        environment,
+        generation_results,
+        sampling,
+        speculative_config,
+    )
 
     vllm_python()  # before any loading: one line when vLLM is not set up
     tokenizer, eos = load_tokenizer(cfg.target)
@@ -174,21 +180,9 @@ def generate_vllm(cfg: Config, prompts: list[Prompt], raw: bool, as_json: bool) 
         reply = worker.generate(
             encoded, sampling(params, cfg.sampling.seed, cfg.generation.max_new_tokens, eos, ignore_eos)
         )
-    results = []
-    for ids, output in zip(encoded, reply["outputs"]):
-        tokens = output["token_ids"]
-        stop = "eos" if tokens and tokens[-1] in eos and not ignore_eos else "length"
-        steps = vllm_steps(output["spec_decode"], len(tokens))
-        results.append(GenerationResult(ids, tokens, steps, decode_seconds=reply["seconds"], stop_reason=stop))
-    environment = {
-        "engine": "vllm",
-        "vllm": worker.version,
-        "dtype": dtype,
-        "tensor_parallel_size": cfg.runtime.tensor_parallel_size,
-        "pipeline_parallel_size": cfg.runtime.pipeline_parallel_size,
-    }
+    results = generation_results(encoded, reply, eos, ignore_eos)
     record = {
-        **records.header("generate", cfg, environment),
+        **records.header("generate", cfg, environment(cfg, dtype, worker.version)),
         "engine": "vllm",
         "speculative_config": speculative,
         "raw": raw,

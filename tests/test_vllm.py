@@ -15,13 +15,19 @@ from test_formats import eagle3_checkpoint, eagle_checkpoint, write_folder
 from typer.testing import CliRunner
 
 from specdec_cli.cli import app
-from specdec_cli.config import load_config, parse_config
+from specdec_cli.config import cache_dir, load_config, parse_config
 from specdec_cli.decoding.metrics import acceptance_by_position, mean_accepted_length
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.errors import SpecdecError
 from specdec_cli.models.pair import load_pair
 from specdec_cli.vllm_engine.client import PYTHON_ENV, VllmWorker, failure_line, vllm_python
-from specdec_cli.vllm_engine.settings import engine_settings, sampling, speculative_config, vllm_steps
+from specdec_cli.vllm_engine.settings import (
+    engine_settings,
+    generation_results,
+    sampling,
+    speculative_config,
+    vllm_steps,
+)
 
 runner = CliRunner()
 
@@ -61,12 +67,12 @@ def generate(config: Path, *args: str) -> tuple[int, str, str]:
     return result.exit_code, result.stdout, result.stderr
 
 
-@pytest.mark.parametrize("command", ["benchmark --peer vllm", "generate --engine vllm"])
+@pytest.mark.parametrize("command", ["benchmark --peer vllm", "benchmark --engine vllm", "generate --engine vllm"])
 def test_without_vllms_environment_vllm_is_one_error_line(command, files, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv(PYTHON_ENV, raising=False)
     if command.startswith("benchmark"):
-        code, out, err = benchmark(*files, "--peer", "vllm")
+        code, out, err = benchmark(*files, *command.split()[1:])
     else:
         code, out, err = generate(files[0], "--prompt", "abc")
     assert code == 2 and out == ""
@@ -111,6 +117,31 @@ def test_generate_in_vllm_refuses_what_it_cannot_do(files, tmp_path):
     config.write_text(yaml.safe_dump({**VLLM_TINY, "runtime": {"tensor_parallel_size": 0}}))
     code, _, err = generate(config, "--prompt", "abc")
     assert code == 2 and err.splitlines() == ["Error: runtime.tensor_parallel_size must be >= 1, got 0"]
+
+
+@pytest.mark.parametrize(
+    "options, error",
+    [
+        ("--peer hf", "--peer sets a peer beside specdec's loop; with --engine vllm nothing runs in it"),
+        ("--peer vllm", "--peer sets a peer beside specdec's loop; with --engine vllm nothing runs in it"),
+        ("--tree 2,2,4", "--engine vllm drafts chains verified token by token: no --tree, no block rule"),
+        ("--verification token,block", "--engine vllm drafts chains verified token by token: no --tree, no block rule"),
+    ],
+)
+def test_benchmark_in_vllm_refuses_what_it_cannot_do(files, options, error):
+    code, out, err = benchmark(*files, "--engine", "vllm", *options.split())
+    assert code == 2 and out == "" and err.splitlines() == [f"Error: {error}"]
+
+
+def test_benchmark_in_vllm_refuses_a_draft_vllm_cannot_run_before_any_work(files, tmp_path, monkeypatch):
+    monkeypatch.setenv(PYTHON_ENV, sys.executable)  # found, never started: the draft is refused first
+    config = tmp_path / "lookup-ahead.yaml"
+    draft = {"tiny": {"seed": 0}, "lookup": {"max_n": 3, "min_n": 1}}
+    config.write_text(yaml.safe_dump({**VLLM_TINY, "draft": draft}))
+    code, _, err = benchmark(config, files[1], "--engine", "vllm")
+    assert code == 2 and err.splitlines() == [
+        "Error: vLLM has no equivalent of prompt lookup ahead of a draft model (draft.lookup)"
+    ]
 
 
 def test_failure_line_finds_the_cause_below_vllms_pointers():
@@ -237,6 +268,23 @@ def test_benchmark_peer_vllm_gives_specdecs_greedy_tokens(files):
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not has_vllm(), reason="vLLM is not set up: specdec setup-vllm")
+def test_benchmark_in_vllm_records_the_engine_and_batches_on_each_gammas_engine(files):
+    code, out, err = benchmark(*files, "--engine", "vllm", "--batch-sizes", "3", "--json")
+    assert code == 0, err
+    record = json.loads(out)
+    assert record["engine"] == "vllm" and record["environment"]["engine"] == "vllm"
+    assert record["environment"]["tensor_parallel_size"] == record["environment"]["pipeline_parallel_size"] == 1
+    assert {(r["engine"], r["gamma"]) for r in record["runs"]} == {("vllm", 0), ("vllm", 3)}
+    [overall] = [r for r in record["summary"] if r["group"] == "overall"]
+    assert overall["greedy_identical"] == len(PROMPTS) and overall["mean_accepted_length"] > 1
+    batches = {r["batch_size"]: r for r in record["batch_summary"]}
+    assert set(batches) == {1, 3} and all(r["engine"] == "vllm" for r in batches.values())
+    assert batches[3]["greedy_identical"] == len(PROMPTS)  # one call of 3 prompts: the tokens of each alone
+    assert batches[3]["speculative_tokens_per_second"][0] > 0 and record["peers"] == []
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not has_vllm(), reason="vLLM is not set up: specdec setup-vllm")
 def test_a_bad_vllm_setting_is_one_line(tmp_path):
     settings = engine_settings(parse_config(VLLM_TINY), "float99", None)
     with pytest.raises(SpecdecError) as failure:
@@ -283,3 +331,55 @@ def test_an_eagle3_export_drafts_in_vllm_with_specdecs_greedy_tokens(files, tmp_
     speculative = next(r for r in json.loads(out_text)["peers"] if r["engine"] == "vllm" and r["gamma"])
     assert speculative["greedy_identical"] == len(PROMPTS)
     assert speculative["peer_acceptance_by_position"] is not None  # vLLM's eagle3 drafted
+
+
+# ---------------------------------------------------------------- SmolLM2 through vLLM
+
+SMOLLM2_PROMPTS = [
+    "Repeat this list exactly: apples, pears, plums, apples, pears, plums.",
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+]
+GAMMA = 4
+
+
+def smollm2(name: str):
+    """The SmolLM2 config in float32 on the CPU, or a skip where its converted folder is missing."""
+    if not (cache_dir() / "smollm2-135m-instruct" / "config.json").is_file():
+        pytest.skip("SmolLM2 is not converted here: run tests/test_smollm2.py (or specdec generate -c smollm2-ngram)")
+    cfg = load_config(name)
+    cfg.runtime.device, cfg.runtime.dtype = "cpu", "float32"
+    return cfg
+
+
+def vllm_results(worker: VllmWorker, prompts: list[list[int]], params: SamplingParams, tokens: int, eos: set[int]):
+    reply = worker.generate(prompts, sampling(params, 0, tokens, eos, True))
+    return generation_results(prompts, reply, eos, True)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not has_vllm(), reason="vLLM is not set up: specdec setup-vllm")
+def test_smollm2_target_alone_in_vllm_gives_specdecs_greedy_tokens_alone_and_batched():
+    cfg = smollm2("smollm2-ngram")
+    pair = load_pair(cfg)
+    encoded = [pair.encode(text) for text in SMOLLM2_PROMPTS]
+    ours = [pair.decoder(SamplingParams(), speculative=False).generate(ids, 32, 0, ignore_eos=True) for ids in encoded]
+    with VllmWorker(engine_settings(cfg, "float32", None)) as worker:
+        alone = [vllm_results(worker, [ids], SamplingParams(), 32, pair.eos_token_ids)[0] for ids in encoded]
+        batched = vllm_results(worker, encoded, SamplingParams(), 32, pair.eos_token_ids)
+    assert [r.token_ids for r in alone] == [r.token_ids for r in ours]
+    assert [r.token_ids for r in batched] == [r.token_ids for r in alone]  # float32: batching changes nothing
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not has_vllm(), reason="vLLM is not set up: specdec setup-vllm")
+def test_smollm2_ngram_in_vllm_batched_gives_its_tokens_alone_and_specdecs():
+    cfg = smollm2("smollm2-ngram")
+    pair = load_pair(cfg)
+    encoded = [pair.encode(text) for text in SMOLLM2_PROMPTS]
+    ours = [pair.decoder(SamplingParams(), speculative=False).generate(ids, 32, 0, ignore_eos=True) for ids in encoded]
+    with VllmWorker(engine_settings(cfg, "float32", speculative_config(cfg.draft, GAMMA))) as worker:
+        alone = [vllm_results(worker, [ids], SamplingParams(), 32, pair.eos_token_ids)[0] for ids in encoded]
+        batched = vllm_results(worker, encoded, SamplingParams(), 32, pair.eos_token_ids)
+    assert [r.token_ids for r in batched] == [r.token_ids for r in alone] == [r.token_ids for r in ours]
+    assert sum(s.accepted for r in batched for s in r.steps) > 0  # the batch drafted and accepted

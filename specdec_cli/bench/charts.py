@@ -92,9 +92,11 @@ def acceptance_by_position(ax, record: dict) -> None:
 
 def throughput_by_batch_size(ax, record: dict) -> None:
     """Total tok/s per batch size: each speculative mode, and the target alone once per temperature
-    (gray); a red X where a mode first fell below the target alone (the crossover)."""
+    (gray); a red X where a mode first fell below the target alone (the crossover). The engine that ran
+    the config only: a peer's batches are in the table."""
     ax.set_title("Throughput by batch size (X: crossover)")
-    rows = record.get("batch_summary") or []
+    engine = record.get("engine", "specdec")
+    rows = [r for r in record.get("batch_summary") or [] if r.get("engine", "specdec") == engine]
     if not any(r["batch_size"] > 1 for r in rows):
         return _nothing(ax, "no --batch-sizes")
     colours = _colours(record)

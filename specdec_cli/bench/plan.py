@@ -54,6 +54,7 @@ class Plan:
     batch_sizes: list[int] = field(default_factory=lambda: [1])  # > 1: specdec also decodes prompts together
     trees: list[TreeShape] = field(default_factory=list)  # draft trees, measured beside the chains
     verifications: list[str] = field(default_factory=lambda: ["token"])  # the rules of the sampled chains
+    engine: str = SPECDEC  # who runs the config: specdec's loop, or vLLM (--engine vllm)
 
     def params(self, temperature: float) -> SamplingParams:
         return SamplingParams(temperature=temperature, top_k=self.top_k, top_p=self.top_p)
@@ -65,30 +66,37 @@ class Plan:
         chains = [Mode(temperature, g, verification=rule) for g in self.gammas for rule in rules]
         return [Mode(temperature, 0)] + chains + [Mode(temperature, shape.depth, tree=shape) for shape in self.trees]
 
+    def batched(self, modes: list[Mode]) -> list[tuple[int, Mode]]:
+        """(batch size, mode) for every batch size above 1 and each of `modes`."""
+        return [(size, mode) for size in self.batch_sizes if size > 1 for mode in modes]
+
     def batch_modes(self) -> list[tuple[int, Mode]]:
-        """(batch size, mode) of the batched runs: target-only, each gamma and each tree per temperature,
-        and the hf peer's plain batched generate() (transformers' speculative decoding refuses batches)."""
-        modes = []
-        for size in (b for b in self.batch_sizes if b > 1):
-            for t in self.temperatures:
-                modes += [(size, mode) for mode in self.specdec_modes(t)]
-                modes += [(size, Mode(t, 0, HF))] if self.peer == HF else []
-        return modes
+        """specdec's batched runs: target-only, each gamma and each tree per temperature, and the hf
+        peer's plain batched generate() (transformers' speculative decoding refuses batches)."""
+        return self.batched([m for t in self.temperatures for m in self.specdec_modes(t) + self.hf_alone(t)])
+
+    def hf_alone(self, temperature: float) -> list[Mode]:
+        return [Mode(temperature, 0, HF)] if self.peer == HF else []
 
     def modes(self) -> list[Mode]:
-        """Per temperature: the baseline first, then each gamma and each tree, then the hf peer alone and
-        its run of each gamma (vLLM's modes run apart, one engine at a time: vllm_modes)."""
+        """specdec's modes per temperature: the baseline first, then each gamma and each tree, then the hf
+        peer alone and its run of each gamma. None when vLLM runs the config; vLLM's modes run apart, one
+        engine at a time (vllm_modes)."""
+        if self.engine == VLLM:
+            return []
         modes = []
         for t in self.temperatures:
-            modes += self.specdec_modes(t)
-            if self.peer == HF:
-                modes += [Mode(t, 0, HF)] + [Mode(t, g, self.peer_drafting) for g in self.gammas]
+            modes += self.specdec_modes(t) + self.hf_alone(t)
+            modes += [Mode(t, g, self.peer_drafting) for g in self.gammas] if self.peer == HF else []
         return modes
 
     def vllm_modes(self) -> dict[int, list[Mode]]:
-        """vLLM's modes by gamma (an engine each; 0: the target alone), every temperature in each."""
-        gammas = [0] + (self.gammas if self.peer_drafting else [])
-        return {g: [Mode(t, g, VLLM) for t in self.temperatures] for g in gammas} if self.peer == VLLM else {}
+        """vLLM's modes by gamma (an engine each; 0: the target alone), every temperature in each: every
+        gamma where vLLM runs the config, the peer's where it drafts."""
+        if VLLM not in (self.engine, self.peer):
+            return {}
+        gammas = [0] + (self.gammas if self.engine == VLLM or self.peer_drafting else [])
+        return {g: [Mode(t, g, VLLM) for t in self.temperatures] for g in gammas}
 
 
 def parse_list(text: str | None, kind: type, option: str) -> list | None:
@@ -114,17 +122,24 @@ def make_plan(
     batch_sizes: list[int] | None = None,
     trees: list[TreeShape] | None = None,
     verifications: list[str] | None = None,
+    engine: str = SPECDEC,
 ) -> Plan:
     """Defaults: the config's gamma, and its tree if it has one (a chain and a tree side by side); greedy
-    and the config's temperature (1.0 if the config is greedy); the config's verification rule."""
+    and the config's temperature (1.0 if the config is greedy); the config's verification rule. vLLM
+    (engine) drafts chains and verifies token by token: it takes no tree nor block rule."""
+    if engine == VLLM:
+        if peer is not None:
+            raise SpecdecError("--peer sets a peer beside specdec's loop; with --engine vllm nothing runs in it")
+        if trees or (verifications and verifications != ["token"]):
+            raise SpecdecError("--engine vllm drafts chains verified token by token: no --tree, no block rule")
     gammas = gammas or [cfg.speculation.num_draft_tokens]
-    trees = trees or ([cfg.speculation.tree] if cfg.speculation.tree else [])
+    trees = trees or ([cfg.speculation.tree] if cfg.speculation.tree and engine == SPECDEC else [])
     temperatures = temperatures or list(dict.fromkeys([0.0, cfg.sampling.temperature or 1.0]))
     if min(gammas) < 1:
         raise SpecdecError(f"--num-draft-tokens-list values must be >= 1, got {gammas}")
     if not all(math.isfinite(t) and t >= 0 for t in temperatures):
         raise SpecdecError(f"--temperatures must be finite numbers >= 0 (0 is greedy), got {temperatures}")
-    verifications = verifications or [cfg.speculation.verification]
+    verifications = verifications or [cfg.speculation.verification if engine == SPECDEC else "token"]
     if not set(verifications) <= set(VERIFICATIONS):
         raise SpecdecError(f"--verification takes token, block or both (token,block), got {','.join(verifications)}")
     if repeats < 1 or warmup < 0:
@@ -149,6 +164,7 @@ def make_plan(
         batch_sizes=batch_sizes,
         trees=list(dict.fromkeys(trees)),
         verifications=verifications,
+        engine=engine,
     )
 
 

@@ -73,8 +73,10 @@ def rule_label(rule: str) -> str:
 
 
 def mode_label(row: dict) -> str:
+    """A summary row's mode; a batch row of a peer engine (vLLM's) starts with its name."""
     drafting = drafting_label(row["gamma"], row.get("tree"))
-    return f"{temperature_label(row['temperature'])}, {drafting}{rule_label(rule_of(row))}"
+    who = "" if row.get("engine", "specdec") == "specdec" else f"{row['engine']} "
+    return f"{who}{temperature_label(row['temperature'])}, {drafting}{rule_label(rule_of(row))}"
 
 
 def drafting_order(rows: list[dict]) -> list[tuple[int, str | None, str]]:
@@ -84,10 +86,10 @@ def drafting_order(rows: list[dict]) -> list[tuple[int, str | None, str]]:
     return sorted(modes, key=lambda mode: (mode[1] is not None, mode[0], mode[1] or "", mode[2] == "block"))
 
 
-def category_report(summary: list[dict], draft: str, rule: str) -> Report:
+def category_report(summary: list[dict], draft: str, rule: str, note: str | None = None) -> Report:
     """Per category and overall, one row per (category, gamma or tree), greedy and sampled side by
     side. Medians only; the ranges over repeats are in the overall table. `draft`: what drafted;
-    `rule`: how its sampled drafts were verified."""
+    `rule`: how its sampled drafts were verified; `note`: what the caption says about the engine."""
     temperatures = sorted({r["temperature"] for r in summary})
     header = ["category", "γ"]
     for t in temperatures:
@@ -119,7 +121,7 @@ def category_report(summary: list[dict], draft: str, rule: str) -> Report:
         f"verified as a block (Sun et al. 2025), else token by token. "
         f"{SPEEDUP_FORMULA}. acc len = mean accepted length: tokens per target forward, incl. the "
         f"bonus/recovered token (target-only = 1). acc rate = accepted / drafted."
-    )
+    ) + (f" {note}" if note else "")
     return Report(f"Speedup by category, {rule}", header, rows, caption)
 
 
@@ -213,6 +215,14 @@ BATCH_NOTE = (
     "generation and prompt lookup refuse batches), timed whole, beside specdec's speculative tok/s end to end "
     "(prefill included). crossover = the smallest measured batch size whose speedup is below 1."
 )
+VLLM_BATCH_NOTE = (
+    "vllm rows: at batch size B, B prompts go to vLLM in one llm.generate call and its scheduler batches "
+    "them continuously (prefill interleaved with decoding, a finished row leaving the batch), where "
+    "specdec's rows decode in lockstep; the call is timed whole, so vLLM's total tok/s counts prefill and "
+    "specdec's does not. Each engine's speedup is over its own target alone at that batch size, and "
+    "greedy = alone compares with its own batch-1 tokens. vLLM times no forward apart: verify / plain "
+    "forward and drafting are n/a."
+)
 
 
 def _forward_cost(row: dict) -> str:
@@ -265,7 +275,8 @@ def batch_report(rows: list[dict], rule: str) -> Report:
         ]
         for r in rows
     ]
-    return Report(f"Batch sizes, {rule}", header, table, BATCH_NOTE)
+    vllm = any(r.get("engine") == "vllm" for r in rows)
+    return Report(f"Batch sizes, {rule}", header, table, BATCH_NOTE + (f" {VLLM_BATCH_NOTE}" if vllm else ""))
 
 
 COMPARED = [
@@ -289,7 +300,7 @@ def compare_report(a: dict, b: dict, names: tuple[str, str]) -> Report:
 
     def batches(record: dict) -> dict:
         return {
-            (r["batch_size"], r["temperature"], r["gamma"], r.get("tree"), rule_of(r)): r
+            (r["batch_size"], r.get("engine", "specdec"), r["temperature"], r["gamma"], r.get("tree"), rule_of(r)): r
             for r in record.get("batch_summary", [])
             if r["batch_size"] > 1
         }

@@ -156,17 +156,27 @@ def run_batch(pair: Pair, prompts: list[Prompt], generate: BatchGenerate, plan: 
 OnBatch = Callable[[int, Mode, int, int], None]
 
 
+# Makes the batch generator of a mode: (pair, mode, plan, max_new_tokens) -> BatchGenerate
+MakeBatchGenerator = Callable[[Pair, Mode, Plan, int], BatchGenerate]
+
+
 def run_batches(
-    pair: Pair, prompts: list[Prompt], plan: Plan, on_batch: OnBatch | None = None
+    pair: Pair,
+    prompts: list[Prompt],
+    plan: Plan,
+    on_batch: OnBatch | None = None,
+    batched: list[tuple[int, Mode]] | None = None,
+    make: MakeBatchGenerator = batch_generator,
 ) -> tuple[list[dict], bool]:
-    """Every batch size above 1 of the plan: the prompts in consecutive batches of that size, target
-    alone and speculative, `repeats` times each, after a short warm-up batch per mode. Returns (runs,
-    partial): Ctrl-C stops early, and the summary compares only batches measured in both modes."""
+    """Every (batch size, mode) of `batched` (default: the plan's batch sizes above 1 and specdec's
+    modes): the prompts in consecutive batches of that size, target alone and speculative, `repeats`
+    times each, after a short warm-up batch per mode. Returns (runs, partial): Ctrl-C stops early, and
+    the summary compares only batches measured in both modes."""
     runs: list[dict] = []
     try:
-        for size, mode in plan.batch_modes():
-            generate = batch_generator(pair, mode, plan, plan.max_new_tokens)
-            warm = batch_generator(pair, mode, plan, min(WARMUP_TOKENS, plan.max_new_tokens))
+        for size, mode in plan.batch_modes() if batched is None else batched:
+            generate = make(pair, mode, plan, plan.max_new_tokens)
+            warm = make(pair, mode, plan, min(WARMUP_TOKENS, plan.max_new_tokens))
             for _ in range(plan.warmup):
                 run_batch(pair, [Prompt(p.id, p.category, p.turns[:1]) for p in prompts[:size]], warm, plan, plan.seed)
             for start in range(0, len(prompts), size):

@@ -64,15 +64,9 @@ def summarize_mode(baseline: list[dict], speculative: list[dict], gamma: int, tr
     # costs lookup time but drafts nothing (that time stays in draft_time_share)
     drafting = [s for s in spec_steps if s.drafted]
     drafted = sum(s.drafted for s in drafting)
-    target_forwards = len(base_steps)
-    c = (
-        cost_ratio(
-            sum(s.draft_seconds for s in drafting) / drafted,
-            sum(s.verify_seconds for s in base_steps) / target_forwards,
-        )
-        if drafted and target_forwards
-        else None
-    )
+    forward = sum(s.verify_seconds for s in base_steps) / len(base_steps) if base_steps else 0.0
+    # none where no forward was timed (vLLM's steps carry counts only)
+    c = cost_ratio(sum(s.draft_seconds for s in drafting) / drafted, forward) if drafted and forward else None
     alpha = per_token_acceptance(spec_steps)
     costs = block_costs(spec_steps, base_steps)
     return {
@@ -133,17 +127,18 @@ def _by_prompt(
     }
 
 
-def summarize(runs: list[dict]) -> list[dict]:
-    """One entry per (group, temperature, gamma or tree, rule), group being each category and "overall";
-    prompts missing a mode (an interrupted run) are left out of that comparison."""
+def summarize(runs: list[dict], engine: str = SPECDEC) -> list[dict]:
+    """One entry per (group, temperature, gamma or tree, rule) of the engine that ran the config, group
+    being each category and "overall"; prompts missing a mode (an interrupted run) are left out of that
+    comparison."""
     out = []
-    specdec = [r for r in runs if r["engine"] == SPECDEC]
-    categories = sorted({r["category"] for r in specdec})
-    for temperature in sorted({r["temperature"] for r in specdec}):
-        for gamma, tree, rule in drafting_order(specdec):
+    ran = [r for r in runs if r["engine"] == engine]
+    categories = sorted({r["category"] for r in ran})
+    for temperature in sorted({r["temperature"] for r in ran}):
+        for gamma, tree, rule in drafting_order(ran):
             for group in categories + [OVERALL]:
-                base = _by_prompt(specdec, SPECDEC, temperature, 0, group)
-                spec = _by_prompt(specdec, SPECDEC, temperature, gamma, group, tree, rule)
+                base = _by_prompt(ran, engine, temperature, 0, group)
+                spec = _by_prompt(ran, engine, temperature, gamma, group, tree, rule)
                 ids = [i for i in spec if i in base]
                 if ids:
                     out.append(
@@ -276,7 +271,8 @@ def _forward_seconds(runs: list[dict]) -> float | None:
     blocks = [rep.get("blocks") if "prompt_ids" in r else len(rep["steps"]) for r in runs for rep in r["repeats"]]
     if None in blocks or not sum(blocks):  # a record from before batches counted their forwards
         return None
-    return sum(s.verify_seconds for r in runs for s in steps_of(r)) / sum(blocks)
+    seconds = sum(s.verify_seconds for r in runs for s in steps_of(r))
+    return seconds / sum(blocks) if seconds else None  # none where no forward was timed (vLLM's)
 
 
 def _rows_tokens(run: dict) -> dict[str, list[int]]:
@@ -300,13 +296,16 @@ def summarize_batches(runs: list[dict], batch_runs: list[dict]) -> list[dict]:
     gamma or tree), the smallest batch size whose speedup fell below 1 (None: none measured)."""
     groups = _batch_groups(runs, batch_runs)
     out = []
-    speculative = [k for k in groups if k[2] > 0 and k[3] == SPECDEC]
-    for size, temperature, gamma, _, tree, rule in sorted(speculative, key=lambda k: (k[:4], k[4] or "", k[5])):
+    # each engine's speculative modes against its own target alone: specdec's, and vLLM's (peer or engine)
+    speculative = [k for k in groups if k[2] > 0]
+    for size, temperature, gamma, engine, tree, rule in sorted(
+        speculative, key=lambda k: (k[3] != SPECDEC, k[:4], k[4] or "", k[5])
+    ):
         base, spec = (
-            groups.get((size, temperature, 0, SPECDEC, None, "token")),
-            groups[(size, temperature, gamma, SPECDEC, tree, rule)],
+            groups.get((size, temperature, 0, engine, None, "token")),
+            groups[(size, temperature, gamma, engine, tree, rule)],
         )
-        peer = groups.get((size, temperature, 0, HF, None, "token"))
+        peer = groups.get((size, temperature, 0, HF, None, "token")) if engine == SPECDEC else None
         if not base:
             continue
         base_tps, spec_tps = _total_tps(base), _total_tps(spec)
@@ -314,6 +313,7 @@ def summarize_batches(runs: list[dict], batch_runs: list[dict]) -> list[dict]:
         out.append(
             {
                 "batch_size": size,
+                "engine": engine,
                 "temperature": temperature,
                 "gamma": gamma,
                 "tree": tree,
@@ -330,7 +330,7 @@ def summarize_batches(runs: list[dict], batch_runs: list[dict]) -> list[dict]:
                 "target_forward_seconds": _forward_seconds(base),
                 "verification_forward_seconds": _forward_seconds(spec),
                 "greedy_identical": (
-                    _greedy_identical(spec, groups.get((1, 0.0, 0, SPECDEC, None, "token"), []))
+                    _greedy_identical(spec, groups.get((1, 0.0, 0, engine, None, "token"), []))
                     if temperature == 0
                     else None
                 ),
@@ -343,8 +343,8 @@ def summarize_batches(runs: list[dict], batch_runs: list[dict]) -> list[dict]:
         slower = [
             r["batch_size"]
             for r in out
-            if (r["temperature"], r["gamma"], r["tree"], r["verification"])
-            == (row["temperature"], row["gamma"], row["tree"], row["verification"])
+            if (r["engine"], r["temperature"], r["gamma"], r["tree"], r["verification"])
+            == (row["engine"], row["temperature"], row["gamma"], row["tree"], row["verification"])
             and r["speedup"][0] < 1
         ]
         row["crossover_batch_size"] = min(slower, default=None)

@@ -1,18 +1,28 @@
-"""The vllm peer (`--peer vllm`): the same prompts, as the same token ids, and the same sampling through
+"""vLLM in a benchmark: as the peer (`--peer vllm`, beside specdec's loop) or as the engine that runs
+the config (`--engine vllm`). The same prompts, as the same token ids, and the same sampling go through
 vLLM, the target alone and with the config's draft as vLLM's speculative_config, one engine (a worker
-process, vllm_engine/) at a time. Its per-request metrics become specdec's step records, so the
-summary's definitions apply to both sides."""
+process, vllm_engine/) per gamma serving every temperature and batch size. Its per-request metrics
+become specdec's step records, so the summary's definitions apply to both sides."""
 
 from __future__ import annotations
 
-from specdec_cli.bench.measure import Measure, TurnGenerator
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, PreTrainedTokenizerBase
+
+from specdec_cli.bench.measure import BatchGenerate, Measure, TurnGenerator
 from specdec_cli.bench.plan import VLLM, Mode, Plan
 from specdec_cli.bench.prompts import Prompt
-from specdec_cli.bench.run import OnRun, run_benchmark
+from specdec_cli.bench.run import OnBatch, OnRun, run_batches, run_benchmark
+from specdec_cli.config import Config
+from specdec_cli.decoding.engine import GenerationResult
 from specdec_cli.errors import SpecdecError
-from specdec_cli.models.pair import Pair
+from specdec_cli.models.checkpoints import load_tokenizer, model_folder
+from specdec_cli.models.pair import Pair, check_fits, resolve_device, resolve_dtype
+from specdec_cli.models.tokens import encode_prompt
 from specdec_cli.vllm_engine.client import VllmWorker
-from specdec_cli.vllm_engine.settings import engine_settings, sampling, speculative_config, vllm_steps
+from specdec_cli.vllm_engine.settings import engine_settings, generation_results, sampling, speculative_config
 
 VLLM_FAIRNESS = (
     "vLLM runs in its own environment and process (its scheduler, kernels and build, its own random "
@@ -25,6 +35,44 @@ VLLM_FAIRNESS = (
     "drafts)."
 )
 
+VLLM_ENGINE = (
+    "The config ran in vLLM (engine: vllm), not in specdec's loop: the target alone and with the draft as "
+    "vLLM's speculative_config, an engine per gamma, on the same token ids (specdec's chat template) and "
+    "sampling settings. Each call is timed whole (vLLM does not time prefill apart): decode and "
+    "end-to-end tok/s are the same figure, and vLLM times no drafting or verification apart (cost ratio, "
+    "time drafting and the predictions are n/a). acc len and acceptance are specdec's definitions over "
+    "vLLM's per-request counts."
+)
+
+
+@dataclass
+class TargetText:
+    """specdec's side of a benchmark that vLLM runs (--engine vllm): what the runs need of a Pair (the
+    target's chat template, EOS ids, context and dtype) without its weights, which vLLM loads itself,
+    across GPUs where the runtime says so."""
+
+    config: Config
+    tokenizer: PreTrainedTokenizerBase
+    eos_token_ids: set[int]
+    context_length: int
+    dtype: torch.dtype
+
+    def encode(self, prompt: str, raw: bool = False, history: list[dict] | None = None) -> list[int]:
+        return encode_prompt(self.tokenizer, prompt, raw, history)
+
+    def check_fits(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+        check_fits(prompt_ids, max_new_tokens, self.context_length)
+
+
+def target_text(cfg: Config) -> TargetText:
+    tokenizer, eos = load_tokenizer(cfg.target)
+    spec = cfg.target
+    model = AutoConfig.from_pretrained(
+        model_folder(spec), revision=spec.revision, trust_remote_code=spec.trust_remote_code
+    )
+    dtype = resolve_dtype(cfg.runtime.dtype, resolve_device(cfg.runtime.device))
+    return TargetText(cfg, tokenizer, eos, model.max_position_embeddings, dtype)
+
 
 def vllm_drafting(pair: Pair, gammas: list[int]) -> tuple[str | None, str | None]:
     """The vllm peer's speculative engine (None: the target alone) and why it cannot draft (None when it can)."""
@@ -35,36 +83,67 @@ def vllm_drafting(pair: Pair, gammas: list[int]) -> tuple[str | None, str | None
     return VLLM, None
 
 
-def vllm_generator(worker: VllmWorker, pair: Pair, mode: Mode, plan: Plan, max_new_tokens: int) -> TurnGenerator:
+def vllm_batch_generator(
+    worker: VllmWorker, pair: Pair | TargetText, mode: Mode, plan: Plan, max_new_tokens: int
+) -> BatchGenerate:
+    """The prompts in one llm.generate call: vLLM's scheduler batches them (continuous batching)."""
     params = plan.params(mode.temperature)
+    eos = pair.eos_token_ids
 
-    def generate(prompt_ids: list[int], seed: int) -> tuple[list[int], Measure]:
-        settings = sampling(params, seed, max_new_tokens, pair.eos_token_ids, plan.ignore_eos)
-        reply = worker.generate([prompt_ids], settings)
-        output = reply["outputs"][0]
-        tokens = output["token_ids"]
-        steps = vllm_steps(output["spec_decode"], len(tokens))
-        return tokens, Measure(len(tokens), None, reply["seconds"], steps, tokens)
+    def generate(prompts: list[list[int]], seed: int) -> list[GenerationResult]:
+        reply = worker.generate(prompts, sampling(params, seed, max_new_tokens, eos, plan.ignore_eos))
+        return generation_results(prompts, reply, eos, plan.ignore_eos)
 
     return generate
 
 
+def vllm_generator(
+    worker: VllmWorker, pair: Pair | TargetText, mode: Mode, plan: Plan, max_new_tokens: int
+) -> TurnGenerator:
+    batch = vllm_batch_generator(worker, pair, mode, plan, max_new_tokens)
+
+    def generate(prompt_ids: list[int], seed: int) -> tuple[list[int], Measure]:
+        [result] = batch([prompt_ids], seed)
+        tokens = result.token_ids
+        return tokens, Measure(len(tokens), None, result.decode_seconds, result.steps, tokens)
+
+    return generate
+
+
+@dataclass
+class VllmRuns:
+    runs: list[dict]  # per prompt (batch 1)
+    batch_runs: list[dict]  # batch sizes above 1
+    partial: bool
+    version: str
+
+
 def run_vllm(
-    pair: Pair, prompts: list[Prompt], plan: Plan, on_run: OnRun | None = None
-) -> tuple[list[dict], bool, str]:
-    """Every vLLM mode of the plan, an engine per gamma. Returns (runs, partial, vLLM's version)."""
-    runs, version = [], ""
+    pair: Pair | TargetText,
+    prompts: list[Prompt],
+    plan: Plan,
+    on_run: OnRun | None = None,
+    on_batch: OnBatch | None = None,
+) -> VllmRuns:
+    """Every vLLM mode of the plan, at batch 1 and at each larger batch size, an engine per gamma."""
+    done = VllmRuns([], [], False, "")
     dtype = str(pair.dtype).removeprefix("torch.")
     for gamma, modes in plan.vllm_modes().items():
         speculative = speculative_config(pair.config.draft, gamma) if gamma else None
         with VllmWorker(engine_settings(pair.config, dtype, speculative)) as worker:
-            version = worker.version
+            done.version = worker.version
 
             def make(pair: Pair, mode: Mode, plan: Plan, max_new_tokens: int) -> TurnGenerator:
                 return vllm_generator(worker, pair, mode, plan, max_new_tokens)
 
-            done, partial = run_benchmark(pair, prompts, plan, on_run, modes, make)
-        runs += done
-        if partial:
-            return runs, True, version
-    return runs, False, version
+            def make_batch(pair: Pair, mode: Mode, plan: Plan, max_new_tokens: int) -> BatchGenerate:
+                return vllm_batch_generator(worker, pair, mode, plan, max_new_tokens)
+
+            runs, done.partial = run_benchmark(pair, prompts, plan, on_run, modes, make)
+            done.runs += runs
+            if not done.partial:
+                batch_runs, done.partial = run_batches(pair, prompts, plan, on_batch, plan.batched(modes), make_batch)
+                done.batch_runs += batch_runs
+        if done.partial:
+            break
+    return done

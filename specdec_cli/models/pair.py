@@ -97,12 +97,7 @@ class Pair:
         return encode_prompt(self.tokenizer, prompt, raw, history)
 
     def check_fits(self, prompt_ids: list[int], max_new_tokens: int) -> None:
-        limit = self.target.context_length
-        if len(prompt_ids) + max_new_tokens > limit:
-            raise SpecdecError(
-                f"the prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({max_new_tokens}) "
-                f"exceeds the target's context of {limit} tokens"
-            )
+        check_fits(prompt_ids, max_new_tokens, self.target.context_length)
 
     def describe(self) -> dict:
         """What a record needs to say about where and how it ran."""
@@ -123,6 +118,14 @@ class Pair:
                 "python": platform.python_version(),
             },
         }
+
+
+def check_fits(prompt_ids: list[int], max_new_tokens: int, context_length: int) -> None:
+    if len(prompt_ids) + max_new_tokens > context_length:
+        raise SpecdecError(
+            f"the prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({max_new_tokens}) "
+            f"exceeds the target's context of {context_length} tokens"
+        )
 
 
 def cpu_name() -> str:

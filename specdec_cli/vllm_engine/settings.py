@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from specdec_cli.config import Config, DraftSpec
+from specdec_cli.decoding.engine import GenerationResult
 from specdec_cli.decoding.metrics import StepRecord
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.errors import SpecdecError
@@ -94,3 +95,30 @@ def vllm_steps(spec_decode: dict | None, new_tokens: int) -> list[StepRecord]:
         last = steps[-1]
         steps[-1] = StepRecord(last.drafted, last.accepted, last.emitted + left, 0.0, 0.0)
     return steps + [StepRecord(0, 0, 1, 0.0, 0.0)] * max(left, 0)
+
+
+def generation_results(
+    prompts: list[list[int]], reply: dict, eos_token_ids: set[int], ignore_eos: bool
+) -> list[GenerationResult]:
+    """The worker's reply to one call as specdec's results, a row per prompt; every row's time is the
+    call's, end to end (vLLM schedules the rows together and does not time prefill apart)."""
+    results = []
+    for ids, output in zip(prompts, reply["outputs"]):
+        tokens = output["token_ids"]
+        stop = "eos" if tokens and tokens[-1] in eos_token_ids and not ignore_eos else "length"
+        steps = vllm_steps(output["spec_decode"], len(tokens))
+        results.append(GenerationResult(ids, tokens, steps, decode_seconds=reply["seconds"], stop_reason=stop))
+    return results
+
+
+def environment(cfg: Config, dtype: str, version: str) -> dict:
+    """A record's `environment` for a run in vLLM: its version, dtype and parallel layout. No data
+    parallel size: vllm.LLM refuses data_parallel_size > 1 in one process (it takes vLLM's own
+    multi-process launch), so a config runs as one model copy."""
+    return {
+        "engine": "vllm",
+        "vllm": version,
+        "dtype": dtype,
+        "tensor_parallel_size": cfg.runtime.tensor_parallel_size,
+        "pipeline_parallel_size": cfg.runtime.pipeline_parallel_size,
+    }
