@@ -119,18 +119,32 @@ def test_generate_in_vllm_refuses_what_it_cannot_do(files, tmp_path):
     assert code == 2 and err.splitlines() == ["Error: runtime.tensor_parallel_size must be >= 1, got 0"]
 
 
+CHAINS_ONLY = (
+    "--engine vllm drafts chains verified token by token: no tree, no block rule (--tree, --verification, or "
+    "the config's speculation.tree and verification)"
+)
+
+
 @pytest.mark.parametrize(
     "options, error",
     [
         ("--peer hf", "--peer sets a peer beside specdec's loop; with --engine vllm nothing runs in it"),
         ("--peer vllm", "--peer sets a peer beside specdec's loop; with --engine vllm nothing runs in it"),
-        ("--tree 2,2,4", "--engine vllm drafts chains verified token by token: no --tree, no block rule"),
-        ("--verification token,block", "--engine vllm drafts chains verified token by token: no --tree, no block rule"),
+        ("--tree 2,2,4", CHAINS_ONLY),
+        ("--verification token,block", CHAINS_ONLY),
     ],
 )
 def test_benchmark_in_vllm_refuses_what_it_cannot_do(files, options, error):
     code, out, err = benchmark(*files, "--engine", "vllm", *options.split())
     assert code == 2 and out == "" and err.splitlines() == [f"Error: {error}"]
+
+
+@pytest.mark.parametrize("speculation", [{"tree": {"depth": 2, "top_k": 2, "max_nodes": 4}}, {"verification": "block"}])
+def test_benchmark_in_vllm_refuses_a_configs_tree_or_block_rule(files, tmp_path, speculation):
+    config = tmp_path / "tree-or-block.yaml"
+    config.write_text(yaml.safe_dump({**VLLM_TINY, "speculation": {**VLLM_TINY.get("speculation", {}), **speculation}}))
+    code, out, err = benchmark(config, files[1], "--engine", "vllm")
+    assert code == 2 and out == "" and err.splitlines() == [f"Error: {CHAINS_ONLY}"]
 
 
 def test_benchmark_in_vllm_refuses_a_draft_vllm_cannot_run_before_any_work(files, tmp_path, monkeypatch):

@@ -126,20 +126,24 @@ def make_plan(
 ) -> Plan:
     """Defaults: the config's gamma, and its tree if it has one (a chain and a tree side by side); greedy
     and the config's temperature (1.0 if the config is greedy); the config's verification rule. vLLM
-    (engine) drafts chains and verifies token by token: it takes no tree nor block rule."""
-    if engine == VLLM:
-        if peer is not None:
-            raise SpecdecError("--peer sets a peer beside specdec's loop; with --engine vllm nothing runs in it")
-        if trees or (verifications and verifications != ["token"]):
-            raise SpecdecError("--engine vllm drafts chains verified token by token: no --tree, no block rule")
+    (engine) drafts chains and verifies token by token: a tree or block rule, asked for or in the
+    config, is refused."""
     gammas = gammas or [cfg.speculation.num_draft_tokens]
-    trees = trees or ([cfg.speculation.tree] if cfg.speculation.tree and engine == SPECDEC else [])
+    trees = trees or ([cfg.speculation.tree] if cfg.speculation.tree else [])
     temperatures = temperatures or list(dict.fromkeys([0.0, cfg.sampling.temperature or 1.0]))
     if min(gammas) < 1:
         raise SpecdecError(f"--num-draft-tokens-list values must be >= 1, got {gammas}")
     if not all(math.isfinite(t) and t >= 0 for t in temperatures):
         raise SpecdecError(f"--temperatures must be finite numbers >= 0 (0 is greedy), got {temperatures}")
-    verifications = verifications or [cfg.speculation.verification if engine == SPECDEC else "token"]
+    verifications = verifications or [cfg.speculation.verification]
+    if engine == VLLM:
+        if peer is not None:
+            raise SpecdecError("--peer sets a peer beside specdec's loop; with --engine vllm nothing runs in it")
+        if trees or verifications != ["token"]:
+            raise SpecdecError(
+                "--engine vllm drafts chains verified token by token: no tree, no block rule (--tree, "
+                "--verification, or the config's speculation.tree and verification)"
+            )
     if not set(verifications) <= set(VERIFICATIONS):
         raise SpecdecError(f"--verification takes token, block or both (token,block), got {','.join(verifications)}")
     if repeats < 1 or warmup < 0:
