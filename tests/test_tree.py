@@ -123,7 +123,8 @@ def check_sampled_tree(drafted: tree.DraftTree, row: int, log_probs, shape: Tree
             assert children == []
             continue
         row_log_q = log_probs(path)
-        torch.testing.assert_close(drafted.sampled.probs[row, expanded], row_log_q.exp(), atol=1e-5, rtol=1e-4)
+        q = drafted.sampled.q(torch.tensor([row]), torch.tensor([slot]), len(row_log_q))[0]
+        torch.testing.assert_close(q, row_log_q.exp(), atol=1e-5, rtol=1e-4)
         assert len(set(children)) == len(children) == grown.top_k
         assert all(row_log_q[token] > -torch.inf for token in children)
         score.update({path + (token,): score[path] + float(row_log_q[token]) for token in children})
@@ -217,7 +218,7 @@ def test_a_feature_drafts_tree_is_the_expansion_of_its_chain_steps(tiny_target, 
                 inputs = feature_inputs(draft, torch.tensor([[token]]), state)
                 out = drafter.model.forward(inputs_embeds=inputs, logits="last", hidden=True)
                 logits, state = out.logits[:, -1], out.hidden[:, -1:]
-            return tree.draft_log_probs(logits[0], params, drafter.subset)
+            return tree.draft_log_probs(logits[0], params)  # over all V: -inf outside the head's subset
 
         if params.greedy:
             expected, _ = reference_tree(log_probs, shape)

@@ -35,9 +35,17 @@ class SampledChildren(NamedTuple):
     """A tree whose every expanded node's children are all the `count` tokens drawn from the draft's
     q at that node without replacement, in the order drawn (`draw_children`)."""
 
-    probs: torch.Tensor  # [B, m, V] q at each expanded node: the distribution its children were drawn from
+    probs: torch.Tensor  # [B, m, S] q at each expanded node: the distribution its children were drawn from
     of_slot: torch.Tensor  # [B, n + 1] each slot's row in probs (-1: not expanded, no children)
     count: int  # children per expanded node
+    vocabulary: torch.Tensor | None  # [S] the token id of each column of probs (None: every id, in order)
+
+    def q(self, rows: torch.Tensor, slots: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """[B, V] q at the node in slot `slots` [B] of each row (any q where it has no children)."""
+        probs = self.probs[rows, self.of_slot[rows, slots].clamp_min(0)]
+        if self.vocabulary is None:
+            return probs
+        return probs.new_zeros(len(probs), vocab_size).index_copy_(1, self.vocabulary, probs)
 
 
 class DraftTree(NamedTuple):
@@ -139,7 +147,10 @@ class TreeGrowth:
     Greedy (`generator` None, see `for_drafting`): EAGLE-2's tree, the children are each node's
     top_k and the frontier top_k. Sampled: the children are drawn from q (`draw_children`), the
     shape is `sampled_growth`'s, so `select` keeps every candidate, and the tree carries each
-    expanded node's q (`SampledChildren`)."""
+    expanded node's q (`SampledChildren`).
+
+    `vocabulary` [S]: the token ids the draft scores (a head over a subset; None: every id), the
+    columns of what `grow` takes; drawing over them alone is cheaper and draws from the same q."""
 
     def __init__(
         self,
@@ -149,12 +160,14 @@ class TreeGrowth:
         frontier: int | None = None,
         generator: torch.Generator | None = None,
         sampled: bool = False,
+        vocabulary: torch.Tensor | None = None,
     ):
         self.shape = shape
+        self.vocabulary = vocabulary
         self.frontier_size = frontier or shape.top_k
         self.device = device
         self.sampled, self.generator = sampled, generator
-        self.probs: list[torch.Tensor] = []  # sampled: per depth [B, f, V], q at the frontier, in fed order
+        self.probs: list[torch.Tensor] = []  # sampled: per depth [B, f, S], q at the frontier, in fed order
         self.tokens: list[torch.Tensor] = []  # per depth [B, c]
         self.scores: list[torch.Tensor] = []  # per depth [B, c]: path log probability
         self.parents: list[torch.Tensor] = []  # per depth [B, c]: parent candidate, counted from 1 (0: root)
@@ -176,21 +189,24 @@ class TreeGrowth:
         batch: int,
         device: torch.device,
         generator: torch.Generator | None,
+        vocabulary: torch.Tensor | None = None,
     ) -> TreeGrowth:
         """A draft's tree: EAGLE-2's when greedy, else children sampled from q (`sampled_growth`)."""
         if params.greedy:
-            return cls(shape, batch, device)
+            return cls(shape, batch, device, vocabulary=vocabulary)
         shape, frontier = sampled_growth(shape)
-        return cls(shape, batch, device, frontier, generator, sampled=True)
+        return cls(shape, batch, device, frontier, generator, sampled=True, vocabulary=vocabulary)
 
     def grow(self, log_probs: torch.Tensor) -> None:
-        """log_probs [B, f, V]: the draft's next-token log probabilities at the f frontier nodes."""
+        """log_probs [B, f, S]: the draft's next-token log probabilities at the f frontier nodes, over
+        the vocabulary's S tokens."""
         if self.sampled:
-            tokens = draw_children(log_probs, self.shape.top_k, self.generator)  # [B, f, k] in the order drawn
-            values = log_probs.gather(-1, tokens)
+            columns = draw_children(log_probs, self.shape.top_k, self.generator)  # [B, f, k] in the order drawn
+            values = log_probs.gather(-1, columns)
             self.probs.append(log_probs.softmax(dim=-1))  # exactly what the draws came from
         else:
-            values, tokens = log_probs.topk(self.shape.top_k, dim=-1)  # [B, f, k], most probable first
+            values, columns = log_probs.topk(self.shape.top_k, dim=-1)  # [B, f, k], most probable first
+        tokens = columns if self.vocabulary is None else self.vocabulary[columns]
         batch = log_probs.shape[0]
         scores = (self.frontier_scores[..., None] + values).reshape(batch, -1)
         self.tokens.append(tokens.reshape(batch, -1))
@@ -243,7 +259,11 @@ class TreeGrowth:
         parents = slot_of.gather(1, torch.cat(self.parents, dim=1).gather(1, chosen))
         fed_of = torch.cat(self.fed_of, dim=1)
         fed = torch.cat([fed_of[:, :1], fed_of.gather(1, chosen + 1)], dim=1)
-        sampled = SampledChildren(torch.cat(self.probs, dim=1), fed, self.shape.top_k) if self.sampled else None
+        sampled = (
+            SampledChildren(torch.cat(self.probs, dim=1), fed, self.shape.top_k, self.vocabulary)
+            if self.sampled
+            else None
+        )
         return DraftTree(torch.cat(self.tokens, dim=1).gather(1, chosen), parents, self.shape.depth, sampled), fed
 
 
@@ -264,13 +284,13 @@ def static_tree(log_probs: torch.Tensor, shape: TreeShape) -> DraftTree:
 def draft_log_probs(logits: torch.Tensor, params: SamplingParams, subset: torch.Tensor | None = None) -> torch.Tensor:
     """What a tree is grown by: log q, the warped draft distribution, when sampling; the plain
     softmax's when greedy (nothing is sampled from the draft either way). `subset`: the token ids a
-    draft's head scores (every other logit is -inf): warped over them alone, the same q, cheaper."""
+    draft's head scores (every other logit is -inf): log q over them alone [..., S], the columns
+    `TreeGrowth(vocabulary=subset)` takes; else over all V."""
+    if subset is not None:
+        logits = logits[..., subset]
     if params.greedy:
         return logits.float().log_softmax(dim=-1)
-    if subset is None:
-        return warp(logits, params).log()
-    log_q = torch.full_like(logits, float("-inf"), dtype=torch.float32)
-    return log_q.index_copy_(-1, subset, warp(logits[..., subset], params).log())
+    return warp(logits, params).log()
 
 
 # ---------------------------------------------------------------- verification
@@ -425,7 +445,7 @@ def verify_sampled(
         p = warp(target_logits[rows, node], params)
         if sampled is None:
             return try_children(p, tree.tokens, children, generator)
-        q = sampled.probs[rows, sampled.of_slot[rows, node].clamp_min(0)]  # a node without children: any q
+        q = sampled.q(rows, node, target_logits.shape[-1])
         return recursive_rejection(p, q, tree.tokens, children, sampled.count, generator)
 
     num_accepted, path, leftover = walk(tree, test)

@@ -105,7 +105,7 @@ class FeatureDrafter:
         self.root = [length - 1 for length in self.model.lengths]
         last = to_device([max(len(p) - 1, 0) for p in self.pending], self.model.device)  # each row's last input
         states = out.hidden[torch.arange(len(last), device=last.device), last][:, None]  # [B, 1, H] at the root
-        growth = TreeGrowth.for_drafting(shape, params, len(self.pending), self.model.device, generator)
+        growth = TreeGrowth.for_drafting(shape, params, len(self.pending), self.model.device, generator, self.subset)
         growth.grow(draft_log_probs(out.logits, params, self.subset))
         for _ in range(growth.shape.depth - 1):
             # each frontier node beside its parent's state; the fed slots' states, in order
