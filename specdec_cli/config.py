@@ -358,10 +358,6 @@ def validate(config: Config) -> None:
         raise SpecdecError(f"verification must be token or block, got {config.speculation.verification!r}")
     if config.speculation.tree:
         check_tree(config.speculation.tree)
-        if config.speculation.confidence_threshold:
-            raise SpecdecError(
-                "confidence_threshold cuts chains; a tree keeps its max_nodes most probable nodes: set one of them"
-            )
     if config.speculation.tree and config.speculation.verification == "block":
         raise SpecdecError("block verification judges a chain; a tree has its own rule: set verification: token")
     if config.generation.max_new_tokens < 1:

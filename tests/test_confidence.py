@@ -8,7 +8,8 @@ import torch
 from conftest import cached
 
 from specdec_cli import verify
-from specdec_cli.config import TinyModel, load_config
+from specdec_cli.config import TinyModel, TreeShape, load_config
+from specdec_cli.decoding.cache import CachedModel
 from specdec_cli.decoding.engine import SpeculativeDecoder
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.drafters import model as model_drafters
@@ -17,6 +18,7 @@ from specdec_cli.drafters.model import ModelDrafter
 from specdec_cli.models.checkpoints import build_tiny
 from specdec_cli.models.feature_draft import init_draft
 from specdec_cli.models.pair import load_pair
+from specdec_cli.models.target_states import target_layers
 
 GREEDY = SamplingParams()
 PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown", "Once upon a time, there", "abc abc"]
@@ -99,3 +101,62 @@ def test_sampled_output_is_distributed_as_the_target(stopping_pair, monkeypatch)
     monkeypatch.setattr(model_drafters, "draft_token", draft_token)
     monkeypatch.setattr(model_drafters, "confident", confident_in_the_drawn_token)
     assert failing_checks(stopping_pair, params)
+
+
+# ---------------------------------------------------------------- trees
+
+TREE = TreeShape(3, 2, 6)
+
+
+@pytest.mark.parametrize("kind", ["model", "feature"])
+def test_a_tree_stops_growing_at_a_frontier_the_draft_is_unsure_of(tiny_target, noisy_draft, tokenizer, kind):
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    alone = SpeculativeDecoder(cached(tiny_target), None, GREEDY, 1, set())
+    expected = [alone.generate(p, 32, 0).token_ids for p in prompts]
+    drafts = drafter(kind, tiny_target, noisy_draft, 0.4)
+    target = CachedModel(tiny_target, tiny_target.config.vocab_size, target_layers(drafts.model.model))
+    decoder = SpeculativeDecoder(target, drafts, GREEDY, TREE.depth, set(), TREE)
+    rows = decoder.generate_batch(prompts, 32, 0)
+    assert [r.token_ids for r in rows] == expected
+    single = decoder.generate(prompts[0], 48, 0)
+    assert single.token_ids == alone.generate(prompts[0], 48, 0).token_ids
+    # a path is as deep as its tree: shallower trees show as fewer tokens drafted along it
+    drafted = [s.drafted for s in single.steps[: -TREE.depth]]
+    assert TREE.depth in drafted and any(d < TREE.depth for d in drafted), drafted
+
+
+@pytest.fixture
+def stopping_tree_pair(write_config):
+    tree_spec = {"depth": 3, "top_k": 3, "max_nodes": 9}
+    config = {"speculation": {"tree": tree_spec, "confidence_threshold": 0.5}, "runtime": {"threads": 1}}
+    return load_pair(load_config(str(write_config(config))))
+
+
+def prune_unlikely_children(monkeypatch) -> None:
+    """Bug: the threshold prunes nodes as EAGLE-2's cut does: the tree grows every depth, then drops
+    each child drawn with q(x) below the threshold (and so its subtree): it looks at the tokens drawn."""
+    real_propose_tree = ModelDrafter.propose_tree
+
+    def propose_tree(self, shape, params, generator):
+        drafted = real_propose_tree(self, shape, params, generator)
+        rows = torch.arange(len(drafted.tokens))
+        q_of_node = torch.stack(
+            [
+                drafted.sampled.q(rows, drafted.parents[:, i].clamp_min(0), self.model.vocab_size)[rows, token]
+                for i, token in enumerate(drafted.tokens.T)
+            ],
+            dim=1,
+        )
+        return drafted._replace(parents=drafted.parents.masked_fill(q_of_node < self.confidence_threshold, -1))
+
+    monkeypatch.setattr(ModelDrafter, "propose_tree", propose_tree)
+    monkeypatch.setattr(model_drafters, "confident_frontier", lambda log_probs, threshold: True)
+
+
+def test_sampled_trees_that_stop_are_distributed_as_the_target(stopping_tree_pair, monkeypatch):
+    params = SamplingParams(temperature=0.6)
+    steps = stopping_tree_pair.decoder(params).generate(stopping_tree_pair.encode(PROMPTS[0]), 40, 0).steps
+    assert any(d < 3 for d in drafted_before_the_limit(steps))  # the checks below see shallower trees
+    assert failing_checks(stopping_tree_pair, params) == []
+    prune_unlikely_children(monkeypatch)
+    assert failing_checks(stopping_tree_pair, params)

@@ -717,7 +717,6 @@ def test_verify_distribution_runs_tree_configs_and_catches_a_broken_rule(write_c
         (["--tree", "4,3,40"], "at most the nodes drafted"),
         (["--tree", "4,0,4"], "depth and top_k must be >= 1"),
         (["--tree", "3,2,6", "--num-draft-tokens", "2"], "give one of them"),
-        (["--tree", "3,2,6", "--confidence-threshold", "0.2"], "confidence_threshold cuts chains"),
     ],
 )
 def test_bad_tree_settings_are_one_error_line(write_config, args, message):

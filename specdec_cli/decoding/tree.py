@@ -259,12 +259,14 @@ class TreeGrowth:
         parents = slot_of.gather(1, torch.cat(self.parents, dim=1).gather(1, chosen))
         fed_of = torch.cat(self.fed_of, dim=1)
         fed = torch.cat([fed_of[:, :1], fed_of.gather(1, chosen + 1)], dim=1)
-        sampled = (
-            SampledChildren(torch.cat(self.probs, dim=1), fed, self.shape.top_k, self.vocabulary)
-            if self.sampled
-            else None
-        )
-        return DraftTree(torch.cat(self.tokens, dim=1).gather(1, chosen), parents, self.shape.depth, sampled), fed
+        sampled = None
+        if self.sampled:
+            probs = torch.cat(self.probs, dim=1)
+            # a frontier fed but not grown (drafting stopped there) has no children
+            expanded = fed.masked_fill(fed >= probs.shape[1], -1)
+            sampled = SampledChildren(probs, expanded, self.shape.top_k, self.vocabulary)
+        tokens = torch.cat(self.tokens, dim=1).gather(1, chosen)
+        return DraftTree(tokens, parents, len(self.tokens), sampled), fed  # as deep as it grew
 
 
 def static_tree(log_probs: torch.Tensor, shape: TreeShape) -> DraftTree:

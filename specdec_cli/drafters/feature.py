@@ -12,7 +12,7 @@ from specdec_cli.decoding.host import to_device
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.decoding.tree import DraftTree, TreeGrowth, draft_log_probs
 from specdec_cli.drafters.base import NOT_DRAFTED, Drafts, Rows, States
-from specdec_cli.drafters.model import confident, draft_token, stack_drafts
+from specdec_cli.drafters.model import confident, confident_frontier, draft_token, stack_drafts
 from specdec_cli.models.feature_parts import feature_inputs, read_target, vocabulary_subset
 
 
@@ -95,7 +95,8 @@ class FeatureDrafter:
         """A dynamic tree (decoding/tree.py's `TreeGrowth`: EAGLE-2's when greedy, children drawn from
         q when sampling): the root's children from the context's last input, then one forward per
         depth over the frontier, each node beside its parent's state, with the tree's mask after the
-        root. A row without a state yet drafts placeholders."""
+        root; it stops growing at a frontier the draft is unsure of (`confident_frontier`). A row
+        without a state yet drafts placeholders."""
         rows_without_state = [not p for p in self.pending]  # decided on the host: no device sync
         if all(rows_without_state):
             self.root = [length - 1 for length in self.model.lengths]
@@ -116,7 +117,10 @@ class FeatureDrafter:
             )
             out = self.model.forward(inputs_embeds=inputs, region=growth.region(self.root), hidden=True)
             states = torch.cat([states, out.hidden], dim=1)
-            growth.grow(draft_log_probs(out.logits, params, self.subset))
+            log_probs = draft_log_probs(out.logits, params, self.subset)
+            if not confident_frontier(log_probs, self.confidence_threshold):
+                break
+            growth.grow(log_probs)
         return growth.select()[0].without(to_device(rows_without_state, self.model.device, torch.bool))
 
     def commit_tree(

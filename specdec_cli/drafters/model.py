@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from specdec_cli.config import TreeShape
@@ -39,6 +41,15 @@ def confident(logits: torch.Tensor, q: torch.Tensor | None, threshold: float) ->
         return True
     probs = logits.float().softmax(-1) if q is None else q
     return to_host((probs.max(-1).values >= threshold).any())
+
+
+def confident_frontier(log_probs: torch.Tensor, threshold: float) -> bool:
+    """`confident` for a tree's frontier: whether some row's draft gives some frontier node's most
+    likely next token at least `threshold` probability. log_probs [B, f, S]: what the tree grows by
+    (`draft_log_probs`). It decides before the children are drawn, never after looking at them."""
+    if threshold <= 0:
+        return True
+    return to_host((log_probs.amax(dim=(-2, -1)) >= math.log(threshold)).any())
 
 
 def stack_drafts(
@@ -100,7 +111,8 @@ class ModelDrafter:
     def propose_tree(self, shape: TreeShape, params: SamplingParams, generator: torch.Generator | None) -> DraftTree:
         """A dynamic tree (decoding/tree.py's `TreeGrowth`: EAGLE-2's when greedy, children drawn from
         q when sampling): the root's children from the context's last logits, then one forward per
-        depth over the frontier, with the tree's mask, after the root in the cache."""
+        depth over the frontier, with the tree's mask, after the root in the cache; it stops growing
+        at a frontier the draft is unsure of (`confident_frontier`)."""
         next_input, counts = right_padded(self.pending, self.model.device)
         logits = self.model.forward(next_input, counts=counts, logits="last").logits  # [B, 1, V]
         self.root = [length - 1 for length in self.model.lengths]
@@ -108,7 +120,10 @@ class ModelDrafter:
         growth.grow(draft_log_probs(logits, params))
         for _ in range(growth.shape.depth - 1):
             logits = self.model.forward(growth.frontier_tokens, region=growth.region(self.root)).logits
-            growth.grow(draft_log_probs(logits, params))
+            log_probs = draft_log_probs(logits, params)
+            if not confident_frontier(log_probs, self.confidence_threshold):
+                break
+            growth.grow(log_probs)
         tree, self.fed = growth.select()
         self.pending = [[] for _ in self.pending]  # commit_tree() settles what the next block reads
         return tree
