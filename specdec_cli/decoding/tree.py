@@ -426,10 +426,11 @@ def recursive_rejection(
         passed |= accept[:, None] & (slots == slot[:, None])
         rejected = (drawn & ~accept)[:, None]
         p = torch.where(rejected, residual(p, q), p)
-        q_without = q.scatter(1, x, 0.0)
-        q = torch.where(
-            rejected, q_without / q_without.sum(dim=1, keepdim=True).clamp_min(torch.finfo(q.dtype).tiny), q
-        )
+        if i + 1 < count:  # q' is read only by a later child
+            q_without = q.scatter(1, x, 0.0)
+            q = torch.where(
+                rejected, q_without / q_without.sum(dim=1, keepdim=True).clamp_min(torch.finfo(q.dtype).tiny), q
+            )
     return passed, p
 
 
