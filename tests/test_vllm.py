@@ -415,7 +415,7 @@ Z_CRITICAL = 3.29  # two-sided, significance 0.001
 CPU_SAMPLED_VERIFICATION = "vLLM's CPU build verifies sampled drafts against garbage target distributions"
 
 
-def tested_and_accepted(steps) -> tuple[int, int]:
+def draft_positions(steps) -> tuple[int, int]:
     """Draft positions the acceptance test ran on (up to a block's first rejection), and those it kept."""
     return sum(min(s.accepted + 1, s.drafted) for s in steps), sum(s.accepted for s in steps)
 
@@ -434,12 +434,12 @@ def sampled_acceptance() -> dict:
     prompts = [pair.encode(text) for text in ACCEPTANCE_PROMPTS]
     decoder = pair.decoder(SamplingParams(temperature=1.0), num_draft_tokens=GAMMA)
     ours = [decoder.generate(ids, ACCEPTANCE_TOKENS, seed, ignore_eos=True) for seed, ids in enumerate(prompts)]
-    counts = {"specdec": tested_and_accepted([s for r in ours for s in r.steps])}
+    counts = {"specdec": draft_positions([s for r in ours for s in r.steps])}
     with VllmWorker(engine_settings(cfg, "float32", speculative_config(cfg.draft, GAMMA))) as worker:
         for temperature in (1.0, 2.0):
             params = SamplingParams(temperature=temperature)
             results = vllm_results(worker, prompts, params, ACCEPTANCE_TOKENS, pair.eos_token_ids)
-            counts[temperature] = tested_and_accepted([s for r in results for s in r.steps])
+            counts[temperature] = draft_positions([s for r in results for s in r.steps])
     return counts
 
 
