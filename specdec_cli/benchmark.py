@@ -140,7 +140,10 @@ def execute(
     }
     rule = verification(record)
     tables = (
-        [category_report(summary, cfg.draft.describe(), rule, record["engine_note"]), detail_report(summary, rule)]
+        [
+            category_report(summary, cfg.draft.describe(), rule, record["engine_note"], plan.engine),
+            detail_report(summary, rule),
+        ]
         + ([peer_report(peers, caption)] if peers else [])
         + ([batch_report(batch_summary, rule)] if batch_runs else [])
     )

@@ -12,8 +12,13 @@ OVERALL = "overall"  # the group of all prompts, beside each category
 
 SPEEDUP_FORMULA = (
     "speedup = mean over prompts of speculative decode tok/s / mean over prompts of target-only "
-    "decode tok/s (Spec-Bench); decode excludes prefill"
+    "decode tok/s (Spec-Bench)"
 )
+# what decode tok/s count, by the engine that ran the config
+DECODE_TIMING = {
+    "specdec": "decode excludes prefill",
+    "vllm": "vLLM times each call whole, so its decode tok/s count prefill too",
+}
 LEVIATHAN = (
     "predicted = (1 - α^(γ+1)) / ((1 - α)(γc + 1)) (Leviathan et al. 2023), α = accepted / "
     "(accepted + rejections), c = draft s per draft token / target-only s per forward, both "
@@ -86,10 +91,13 @@ def drafting_order(rows: list[dict]) -> list[tuple[int, str | None, str]]:
     return sorted(modes, key=lambda mode: (mode[1] is not None, mode[0], mode[1] or "", mode[2] == "block"))
 
 
-def category_report(summary: list[dict], draft: str, rule: str, note: str | None = None) -> Report:
+def category_report(
+    summary: list[dict], draft: str, rule: str, note: str | None = None, engine: str = "specdec"
+) -> Report:
     """Per category and overall, one row per (category, gamma or tree), greedy and sampled side by
     side. Medians only; the ranges over repeats are in the overall table. `draft`: what drafted;
-    `rule`: how its sampled drafts were verified; `note`: what the caption says about the engine."""
+    `rule`: how its sampled drafts were verified; `note`: what the caption says about the engine
+    that ran the config, `engine`."""
     temperatures = sorted({r["temperature"] for r in summary})
     header = ["category", "γ"]
     for t in temperatures:
@@ -119,8 +127,8 @@ def category_report(summary: list[dict], draft: str, rule: str, note: str | None
         f"Draft: {draft}. γ = tokens drafted per block (with lookup ahead of a model: the model's); "
         f"tree D,K,N = a draft tree of depth D, top-k K, N nodes verified per block; block = sampled drafts "
         f"verified as a block (Sun et al. 2025), else token by token. "
-        f"{SPEEDUP_FORMULA}. acc len = mean accepted length: tokens per target forward, incl. the "
-        f"bonus/recovered token (target-only = 1). acc rate = accepted / drafted."
+        f"{SPEEDUP_FORMULA}; {DECODE_TIMING[engine]}. acc len = mean accepted length: tokens per target "
+        f"forward, incl. the bonus/recovered token (target-only = 1). acc rate = accepted / drafted."
     ) + (f" {note}" if note else "")
     return Report(f"Speedup by category, {rule}", header, rows, caption)
 

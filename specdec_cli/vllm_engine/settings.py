@@ -45,7 +45,10 @@ def speculative_config(draft: DraftSpec, gamma: int) -> dict:
             f"the draft {draft.describe()} ({kind} format) has no vLLM equivalent"
             + (": `specdec distill --format eagle3` writes one vLLM reads" if kind == "specdec" else "")
         )
-    return {"method": VLLM_METHODS[kind], "model": path, "num_speculative_tokens": gamma}
+    speculative = {"method": VLLM_METHODS[kind], "model": path, "num_speculative_tokens": gamma}
+    if kind is None:  # vLLM's draft model drafts its argmax unless told to sample, as specdec's does
+        speculative["draft_sample_method"] = "probabilistic"
+    return speculative
 
 
 def engine_settings(cfg: Config, dtype: str, speculative: dict | None) -> dict:
