@@ -46,7 +46,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":  # bf16 where it is sure to be fast; float32 on CPUs, many lack bf16 units
+    # auto: bf16 on CUDA, where it is sure to be fast; float32 on CPUs, also those with bf16 units, where
+    # greedy output then stays identical to the target alone's (docs/experiments, 2026-12-03 dtypes)
+    if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[name]
 
