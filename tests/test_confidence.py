@@ -23,6 +23,7 @@ from specdec_cli.models.target_states import target_layers
 GREEDY = SamplingParams()
 PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown", "Once upon a time, there", "abc abc"]
 GAMMA = 4
+TREE = TreeShape(3, 2, 6)
 
 
 @pytest.fixture(scope="module")
@@ -56,16 +57,23 @@ def test_greedy_output_is_the_targets_with_shorter_blocks(tiny_target, noisy_dra
     assert 0 in drafted and any(0 < d < GAMMA for d in drafted), drafted  # stopped at the first and later tokens
 
 
+@pytest.mark.parametrize("shape", [None, TREE], ids=["chain", "tree"])
 @pytest.mark.parametrize("kind", ["model", "feature"])
-def test_each_row_is_its_prompt_alone(tiny_target, noisy_draft, tokenizer, kind):
+def test_each_row_is_its_prompt_alone(tiny_target, noisy_draft, tokenizer, kind, shape):
+    """Shorter chains, and shallower trees (one stops growing at a frontier the draft is unsure of):
+    every row of a batch is still its prompt decoded by the target alone."""
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     alone = SpeculativeDecoder(cached(tiny_target), None, GREEDY, 1, set())
     expected = [alone.generate(p, 32, 0).token_ids for p in prompts]
     drafts = drafter(kind, tiny_target, noisy_draft, 0.3)
-    decoder = SpeculativeDecoder(cached(tiny_target), drafts, GREEDY, GAMMA, set())
+    target = CachedModel(tiny_target, tiny_target.config.vocab_size, target_layers(drafts.model.model))
+    depth = shape.depth if shape else GAMMA
+    decoder = SpeculativeDecoder(target, drafts, GREEDY, depth, set(), shape)
     rows = decoder.generate_batch(prompts, 32, 0)
     assert [r.token_ids for r in rows] == expected
-    assert any(d < GAMMA for r in rows for d in drafted_before_the_limit(r.steps))
+    # a tree's path is as deep as the tree: shallower trees show as fewer tokens drafted along it
+    drafted = [s.drafted for r in rows for s in r.steps[:-depth]]
+    assert depth in drafted and any(d < depth for d in drafted), drafted
 
 
 @pytest.fixture
@@ -104,25 +112,6 @@ def test_sampled_output_is_distributed_as_the_target(stopping_pair, monkeypatch)
 
 
 # ---------------------------------------------------------------- trees
-
-TREE = TreeShape(3, 2, 6)
-
-
-@pytest.mark.parametrize("kind", ["model", "feature"])
-def test_a_tree_stops_growing_at_a_frontier_the_draft_is_unsure_of(tiny_target, noisy_draft, tokenizer, kind):
-    prompts = [tokenizer.encode(p) for p in PROMPTS]
-    alone = SpeculativeDecoder(cached(tiny_target), None, GREEDY, 1, set())
-    expected = [alone.generate(p, 32, 0).token_ids for p in prompts]
-    drafts = drafter(kind, tiny_target, noisy_draft, 0.4)
-    target = CachedModel(tiny_target, tiny_target.config.vocab_size, target_layers(drafts.model.model))
-    decoder = SpeculativeDecoder(target, drafts, GREEDY, TREE.depth, set(), TREE)
-    rows = decoder.generate_batch(prompts, 32, 0)
-    assert [r.token_ids for r in rows] == expected
-    single = decoder.generate(prompts[0], 48, 0)
-    assert single.token_ids == alone.generate(prompts[0], 48, 0).token_ids
-    # a path is as deep as its tree: shallower trees show as fewer tokens drafted along it
-    drafted = [s.drafted for s in single.steps[: -TREE.depth]]
-    assert TREE.depth in drafted and any(d < TREE.depth for d in drafted), drafted
 
 
 @pytest.fixture
