@@ -49,7 +49,9 @@ def drafter_of(kind: str, target, noisy_draft):
         return ModelDrafter(cached(noisy_draft))
     if kind.startswith("feature"):
         taps = (0, 1, 2) if kind == "feature-taps" else (-1,)  # three layers fused, or the last state
-        return FeatureDrafter(cached(init_draft(target, 1, torch.arange(target.config.vocab_size), taps).eval()))
+        return FeatureDrafter(
+            init_draft(target, 1, torch.arange(target.config.vocab_size), taps).eval(), target.config.vocab_size
+        )
     return NgramDrafter(3, 1, target.config.vocab_size, torch.device("cpu"))
 
 

@@ -34,7 +34,9 @@ def noisy_draft():
 def drafter(kind: str, target, noisy_draft, threshold: float):
     if kind == "model":
         return ModelDrafter(cached(noisy_draft), threshold)
-    return FeatureDrafter(cached(init_draft(target, 1, torch.arange(target.config.vocab_size)).eval()), threshold)
+    return FeatureDrafter(
+        init_draft(target, 1, torch.arange(target.config.vocab_size)).eval(), target.config.vocab_size, threshold
+    )
 
 
 def drafted_before_the_limit(steps) -> list[int]:

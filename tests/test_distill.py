@@ -328,7 +328,7 @@ def test_training_sees_what_drafting_sees(tiny_target, taps):
             hidden = draft.model(
                 inputs_embeds=feature_inputs(draft, ids[:, : t + step + 1], features)
             ).last_hidden_state
-            drafting = draft.lm_head.scores(hidden[0, t + step]).log_softmax(-1)
+            drafting = draft.lm_head(hidden[0, t + step]).log_softmax(-1)
             torch.testing.assert_close(trained[step][t + step], drafting, atol=1e-4, rtol=1e-4)
             features = torch.cat([read_target(draft, states[:, : t + 1]), hidden[:, t : t + step + 1]], dim=1)
 

@@ -90,7 +90,7 @@ def test_what_each_drafter_holds_is_the_context(kind, temperature, tokenizer, tm
             drafter, taps = ModelDrafter(cached(build_tiny(TinyModel(seed=0, num_layers=4, noise=0.01)).eval())), (-1,)
         else:
             draft = init_draft(model, 1, torch.arange(model.config.vocab_size), (0, 3)).eval()
-            drafter, taps = FeatureDrafter(cached(draft)), target_layers(draft)
+            drafter, taps = FeatureDrafter(draft, draft.config.vocab_size), target_layers(draft)
         target = CachedModel(model, model.config.vocab_size, taps)
     checked = Checked(LookupFirstDrafter(NgramDrafter(3, 1, target.vocab_size, torch.device("cpu")), drafter))
     decoder = SpeculativeDecoder(target, checked, SamplingParams(temperature), 3, set())

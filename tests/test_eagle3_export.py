@@ -147,7 +147,7 @@ def test_held_out_expected_acceptance_is_what_drafting_accepts(exported, tmp_pat
     to_subset[draft.lm_head.token_ids] = torch.arange(DRAFT_VOCAB)
     [measured] = evaluate(draft, corpus, pad, to_subset, None, 1)["expected_acceptance"]
 
-    engine, drafter = CachedModel(target, VOCAB, taps), FeatureDrafter(CachedModel(draft, VOCAB))
+    engine, drafter = CachedModel(target, VOCAB, taps), FeatureDrafter(draft, VOCAB)
     overlaps = []
     for answer in (a for a in corpus if not a["greedy"]):
         for t in range(len(answer["answer"])):
@@ -180,7 +180,7 @@ def test_it_loads_back_and_drafts_what_the_trained_draft_drafted(exported, capsy
     for name, weight in trained.named_parameters():
         if name != "model.embed_tokens.weight":
             weight.copy_(weight.bfloat16().float())
-    in_memory = dataclasses.replace(pair, drafter=FeatureDrafter(CachedModel(trained, VOCAB)))
+    in_memory = dataclasses.replace(pair, drafter=FeatureDrafter(trained, VOCAB))
     for prompt in ("Hello there", "The quick brown fox jumps"):
         ids = pair.encode(prompt)
         assert drafts(pair, ids, SamplingParams())[0] == drafts(in_memory, ids, SamplingParams())[0]

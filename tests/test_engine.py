@@ -172,7 +172,7 @@ def test_a_feature_draft_reads_the_prompt_before_decoding_starts(tiny_target, to
     target = cached(tiny_target)
     target.reset(len(prompt))
     states = target.forward(torch.tensor([prompt[:-1]]), hidden=True).hidden
-    drafter = FeatureDrafter(cached(draft))
+    drafter = FeatureDrafter(draft, draft.config.vocab_size)
     drafter.start([prompt], len(prompt) + 8, states)
     assert drafter.pending == [prompt[-1:]] and drafter.model.lengths == [len(prompt) - 2]
 

@@ -26,7 +26,7 @@ def hybrid(target, kind: str) -> LookupFirstDrafter:
     vocab = target.config.vocab_size
     if kind == "feature":
         draft = init_draft(target, 1, torch.arange(vocab)).eval()
-        model = FeatureDrafter(cached(draft))
+        model = FeatureDrafter(draft, draft.config.vocab_size)
     else:
         model = ModelDrafter(cached(build_tiny(TinyModel(seed=0, noise=0.005)).eval()))
     return LookupFirstDrafter(NgramDrafter(3, 2, vocab, torch.device("cpu")), model)

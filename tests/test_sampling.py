@@ -19,7 +19,7 @@ from specdec_cli.decoding.sampling import (
     verify_sampled,
     warp,
 )
-from specdec_cli.drafters.model import draft_token
+from specdec_cli.drafters.model import draft_token, stack_drafts
 
 
 def test_acceptance_matches_the_notes_examples():
@@ -189,17 +189,19 @@ def test_sampling_is_the_float64_exponential_race():
     [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=3), SamplingParams(1.0, top_p=0.8)],
 )
 def test_a_draft_over_a_vocabulary_subset_draws_from_the_same_q(params):
-    """A draft whose head scores 5 of 12 tokens (the rest -inf) warps and draws over those 5 alone:
-    its q over the whole vocabulary is the full-width warp's, and its draws follow it."""
+    """A draft whose head scores 5 of 12 tokens warps and draws over those 5 columns alone: spread over
+    the whole vocabulary, its q is the full-width warp of the same logits with -inf elsewhere, and its
+    draws, mapped to the subset's ids, follow it."""
     subset = torch.tensor([1, 4, 5, 8, 11])
-    logits = torch.full((2, 12), float("-inf"))
-    logits[:, subset] = torch.tensor([[2.0, 0.5, 1.0, -1.0, 1.5], [0.0, 1.0, 0.2, 0.1, -2.0]])
+    columns = torch.tensor([[2.0, 0.5, 1.0, -1.0, 1.5], [0.0, 1.0, 0.2, 0.1, -2.0]])
+    logits = torch.full((2, 12), float("-inf")).index_copy_(1, subset, columns)
     draws = 20000
-    tokens, q = draft_token(logits.repeat(draws, 1), params, torch.Generator().manual_seed(0), subset)
-    assert torch.allclose(q[:2], warp(logits, params), atol=1e-6)
+    tokens, q = draft_token(columns.repeat(draws, 1), params, torch.Generator().manual_seed(0), subset)
+    _, spread = stack_drafts([tokens[:2]], [q[:2]], 2, 12, torch.device("cpu"), subset)
+    assert torch.allclose(spread[:, 0], warp(logits, params), atol=1e-6)
     for row in range(2):
         counts = torch.bincount(tokens[row::2], minlength=12)
-        expected = q[row].double() / q[row].double().sum() * draws  # float32 sums miss draws by a little
+        expected = spread[row, 0].double() / spread[row, 0].double().sum() * draws  # float32 sums miss a little
         assert counts[expected == 0].sum() == 0  # only tokens of the subset that survive warping
         kept = expected > 0
         assert stats.chisquare(counts[kept].numpy(), expected[kept].numpy()).pvalue > 1e-3

@@ -195,7 +195,7 @@ def started_feature_drafter(target, draft, prompts: list[list[int]]) -> FeatureD
     reader.reset(max(map(len, prompts)))
     ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(p[:-1]) for p in prompts], batch_first=True)
     states = reader.forward(ids, counts=[len(p) - 1 for p in prompts], logits="none", hidden=True).hidden
-    drafter = FeatureDrafter(cached(draft))
+    drafter = FeatureDrafter(draft, draft.config.vocab_size)
     drafter.start(prompts, 100, states)
     return drafter
 
@@ -218,7 +218,9 @@ def test_a_feature_drafts_tree_is_the_expansion_of_its_chain_steps(tiny_target, 
                 inputs = feature_inputs(draft, torch.tensor([[token]]), state)
                 out = drafter.model.forward(inputs_embeds=inputs, logits="last", hidden=True)
                 logits, state = out.logits[:, -1], out.hidden[:, -1:]
-            return tree.draft_log_probs(logits[0], params)  # over all V: -inf outside the head's subset
+            # the head scores its subset's columns: spread them over all V, -inf elsewhere
+            spread = logits.new_full((1, drafter.vocab_size), float("-inf")).index_copy_(1, drafter.vocabulary, logits)
+            return tree.draft_log_probs(spread[0], params)
 
         if params.greedy:
             expected, _ = reference_tree(log_probs, shape)
@@ -551,7 +553,9 @@ def test_greedy_feature_trees_are_the_target_alone(tiny_target, tokenizer, shape
     expected = [alone.generate(p, 30, 0).token_ids for p in prompts]
     draft = feature_draft(tiny_target)
     target = CachedModel(tiny_target, tiny_target.config.vocab_size, target_layers(draft))
-    decoder = SpeculativeDecoder(target, FeatureDrafter(cached(draft)), SamplingParams(), shape.depth, set(), shape)
+    decoder = SpeculativeDecoder(
+        target, FeatureDrafter(draft, draft.config.vocab_size), SamplingParams(), shape.depth, set(), shape
+    )
     assert [r.token_ids for r in decoder.generate_batch(prompts, 30, 0)] == expected  # batch 4
     assert decoder.generate(prompts[0], 30, 0).token_ids == expected[0]  # batch 1
 
@@ -559,7 +563,7 @@ def test_greedy_feature_trees_are_the_target_alone(tiny_target, tokenizer, shape
 def test_a_feature_draft_holds_the_context_after_every_tree(tiny_target, tokenizer):
     """Its rule (drafters/feature.py): cache + pending + 1 = the context, after every call."""
     draft = feature_draft(tiny_target)
-    checked = CheckedTree(FeatureDrafter(cached(draft)))
+    checked = CheckedTree(FeatureDrafter(draft, draft.config.vocab_size))
     target = CachedModel(tiny_target, tiny_target.config.vocab_size, target_layers(draft))
     decoder = SpeculativeDecoder(target, checked, SamplingParams(1.0), 3, set(), TreeShape(3, 2, 6))
     decoder.generate_batch([tokenizer.encode(p) for p in ["H"] + PROMPTS[1:]], 24, 0)

@@ -283,13 +283,10 @@ def static_tree(log_probs: torch.Tensor, shape: TreeShape) -> DraftTree:
     return growth.select()[0]
 
 
-def draft_log_probs(logits: torch.Tensor, params: SamplingParams, subset: torch.Tensor | None = None) -> torch.Tensor:
+def draft_log_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """What a tree is grown by: log q, the warped draft distribution, when sampling; the plain
-    softmax's when greedy (nothing is sampled from the draft either way). `subset`: the token ids a
-    draft's head scores (every other logit is -inf): log q over them alone [..., S], the columns
-    `TreeGrowth(vocabulary=subset)` takes; else over all V."""
-    if subset is not None:
-        logits = logits[..., subset]
+    softmax's when greedy (nothing is sampled from the draft either way). Over the logits' columns:
+    all V, or a subset head's S, the columns `TreeGrowth(vocabulary=...)` takes."""
     if params.greedy:
         return logits.float().log_softmax(dim=-1)
     return warp(logits, params).log()

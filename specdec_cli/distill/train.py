@@ -162,7 +162,7 @@ def draft_log_probs(
             hidden = draft.model(
                 inputs_embeds=inputs, attention_mask=mask, position_ids=positions[None], cache=cache, use_cache=True
             ).last_hidden_state
-            log_probs.append(draft.lm_head.scores(hidden[batch.rows, batch.cols]).float().log_softmax(-1))
+            log_probs.append(draft.lm_head(hidden[batch.rows, batch.cols]).float().log_softmax(-1))
             # input j's output stands in for the target's state at token j + 1
             features = torch.cat([target_states[:, :1], hidden[:, :-1].to(target_states.dtype)], dim=1)
     return log_probs

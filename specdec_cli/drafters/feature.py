@@ -5,6 +5,7 @@ the target's for context the target has verified and its own for the tokens it d
 from __future__ import annotations
 
 import torch
+from transformers import PreTrainedModel
 
 from specdec_cli.config import TreeShape
 from specdec_cli.decoding.cache import CachedModel, Output, right_padded, right_padded_states
@@ -13,7 +14,7 @@ from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.decoding.tree import DraftTree, TreeGrowth, draft_log_probs
 from specdec_cli.drafters.base import NOT_DRAFTED, Drafts, Rows, States
 from specdec_cli.drafters.model import confident, confident_frontier, draft_token, stack_drafts
-from specdec_cli.models.feature_parts import feature_inputs, read_target, vocabulary_subset
+from specdec_cli.models.feature_parts import feature_inputs, head_vocabulary, read_target
 
 
 class FeatureDrafter:
@@ -21,14 +22,17 @@ class FeatureDrafter:
     the first and `pending` (input j is the target's state at token j beside token j + 1); `pending`
     has the tokens whose states the target gave it but it has not read. Its drafts were computed from
     its own states, so `commit` rolls them all back and reads the accepted ones again beside the
-    target's states; so does `commit_tree` with a tree's nodes (each read beside its parent's state)."""
+    target's states; so does `commit_tree` with a tree's nodes (each read beside its parent's state).
+    A draft whose head scores a subset of the vocabulary is run over those columns alone: its tokens
+    are mapped to the target's ids, and q is spread over all `vocab_size` ids only for verification."""
 
     reads_target_states = True
 
-    def __init__(self, model: CachedModel, confidence_threshold: float = 0.0):
-        self.model = model
+    def __init__(self, draft: PreTrainedModel, vocab_size: int, confidence_threshold: float = 0.0):
+        self.vocabulary = head_vocabulary(draft)  # the token id of each column of its logits (None: all, in order)
+        self.model = CachedModel(draft, vocab_size if self.vocabulary is None else len(self.vocabulary))
+        self.vocab_size = vocab_size
         self.confidence_threshold = confidence_threshold  # see config.Speculation
-        self.subset = vocabulary_subset(model.model)  # sampling draws over it alone
         self.pending: list[list[int]] = []  # per row: context tokens not yet in the draft's cache ...
         self.pending_states: list[torch.Tensor] = []  # ... and the states beside them [n, H]
         self.root: list[int] = []  # per row, the slot of the current tree's root (its last context input)
@@ -68,14 +72,14 @@ class FeatureDrafter:
                         hidden=True,
                     )
                     logits, states = out.logits[:, -1], out.hidden[:, -1:]
-                token, q = draft_token(logits, params, generator, self.subset)
+                token, q = draft_token(logits, params, generator, self.vocabulary)
                 if not confident(logits, q, self.confidence_threshold):
                     if step:  # the last kept draft token was fed: commit() rolls back one fewer
                         self.model.rollback(1)
                     break
                 tokens.append(token)
                 probs.append(q)
-        drafts, q = stack_drafts(tokens, probs, len(self.pending), self.model.vocab_size, self.model.device)
+        drafts, q = stack_drafts(tokens, probs, len(self.pending), self.vocab_size, self.model.device, self.vocabulary)
         stateless = to_device(rows_without_state, self.model.device, torch.bool)
         drafts = drafts.masked_fill(stateless[:, None], NOT_DRAFTED)
         return drafts, None if q is None else q.masked_fill(stateless[:, None, None], 0.0)
@@ -106,8 +110,10 @@ class FeatureDrafter:
         self.root = [length - 1 for length in self.model.lengths]
         last = to_device([max(len(p) - 1, 0) for p in self.pending], self.model.device)  # each row's last input
         states = out.hidden[torch.arange(len(last), device=last.device), last][:, None]  # [B, 1, H] at the root
-        growth = TreeGrowth.for_drafting(shape, params, len(self.pending), self.model.device, generator, self.subset)
-        growth.grow(draft_log_probs(out.logits, params, self.subset))
+        growth = TreeGrowth.for_drafting(
+            shape, params, len(self.pending), self.model.device, generator, self.vocabulary
+        )
+        growth.grow(draft_log_probs(out.logits, params))
         for _ in range(growth.shape.depth - 1):
             # each frontier node beside its parent's state; the fed slots' states, in order
             inputs = feature_inputs(
@@ -117,7 +123,7 @@ class FeatureDrafter:
             )
             out = self.model.forward(inputs_embeds=inputs, region=growth.region(self.root), hidden=True)
             states = torch.cat([states, out.hidden], dim=1)
-            log_probs = draft_log_probs(out.logits, params, self.subset)
+            log_probs = draft_log_probs(out.logits, params)
             if not confident_frontier(log_probs, self.confidence_threshold):
                 break
             growth.grow(log_probs)

@@ -16,20 +16,19 @@ from specdec_cli.drafters.base import Drafts, Rows, States
 
 
 def draft_token(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None, subset: torch.Tensor | None = None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    vocabulary: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The next draft token per row [B] from the draft's last logits [B, V], and q [B, V] (None when
-    greedy). `subset`: the token ids a draft's head scores (every other logit is -inf): warping and
-    drawing over them alone gives the same q and is several times cheaper than over all V
-    (docs/experiments/2026-12-02-feature-draft-subset-sampling.md)."""
-    if params.greedy:
-        return logits.argmax(dim=-1), None
-    if subset is None:
-        q = warp(logits, params)
-        return sample(q, generator), q
-    q_subset = warp(logits[:, subset], params)
-    q = torch.zeros_like(logits).scatter_(-1, subset.expand(len(logits), -1), q_subset)
-    return subset[sample(q_subset, generator)], q
+    """The next draft token per row [B] from the draft's last logits [B, S], and q [B, S] over the same
+    columns (None when greedy). `vocabulary` [S]: the token ids of the columns of a head over a subset
+    of the vocabulary (models/feature_parts.py's `SubsetHead`); None: column i is token i. Warping and
+    drawing over the head's columns alone gives the same q as over all V with -inf elsewhere, and is
+    several times cheaper (docs/experiments/2026-12-02-feature-draft-subset-sampling.md)."""
+    q = None if params.greedy else warp(logits, params)
+    column = logits.argmax(dim=-1) if q is None else sample(q, generator)
+    return (column if vocabulary is None else vocabulary[column]), q
 
 
 def confident(logits: torch.Tensor, q: torch.Tensor | None, threshold: float) -> bool:
@@ -53,12 +52,23 @@ def confident_frontier(log_probs: torch.Tensor, threshold: float) -> bool:
 
 
 def stack_drafts(
-    tokens: list[torch.Tensor], probs: list[torch.Tensor | None], rows: int, vocab_size: int, device: torch.device
+    tokens: list[torch.Tensor],
+    probs: list[torch.Tensor | None],
+    rows: int,
+    vocab_size: int,
+    device: torch.device,
+    vocabulary: torch.Tensor | None = None,
 ) -> Drafts:
-    """[B, g] drafts and [B, g, V] q (None when greedy) from per-step lists, g = 0 included."""
+    """[B, g] drafts and [B, g, V] q (None when greedy) from per-step lists, g = 0 included; q over a
+    head's `vocabulary` (see `draft_token`) is put at its token ids, once per block."""
     if not tokens:
         return torch.zeros(rows, 0, dtype=torch.long, device=device), torch.zeros(rows, 0, vocab_size, device=device)
-    return torch.stack(tokens, dim=1), None if probs[0] is None else torch.stack(probs, dim=1)
+    if probs[0] is None:
+        return torch.stack(tokens, dim=1), None
+    q = torch.stack(probs, dim=1)
+    if vocabulary is not None:
+        q = q.new_zeros(*q.shape[:-1], vocab_size).index_copy_(-1, vocabulary, q)
+    return torch.stack(tokens, dim=1), q
 
 
 class ModelDrafter:

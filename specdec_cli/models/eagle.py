@@ -200,8 +200,8 @@ class Eagle3Fc(torch.nn.Linear):
 
 
 class Eagle3Head(torch.nn.Module):
-    """EAGLE-3's head: `norm` (Identity with `norm_output: false`), then `lm_head`'s rows over the
-    draft vocabulary put at their target ids (`subset`); `scores` gives the draft vocabulary's alone."""
+    """EAGLE-3's head: `norm` (Identity with `norm_output: false`), then `lm_head`'s rows: logits over
+    the draft vocabulary (`subset`)."""
 
     def __init__(self, norm: torch.nn.Module, subset: SubsetHead):
         super().__init__()
@@ -210,9 +210,6 @@ class Eagle3Head(torch.nn.Module):
     @property
     def token_ids(self) -> torch.Tensor:
         return self.subset.token_ids
-
-    def scores(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.subset.scores(self.norm(hidden))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.subset(self.norm(hidden))

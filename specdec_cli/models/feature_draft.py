@@ -13,8 +13,8 @@ sees tokens only. Its parts:
 - Input embedding: the target's, shared by reference.
 - LM head: the target's head rows for a subset of the vocabulary (`SubsetHead`), also by reference.
   A small draft's cost is mostly its head, so scoring 8k tokens instead of 49k makes it several
-  times cheaper, and the engine stays exact: the other tokens get logit -inf, q is still a
-  distribution over the target's vocabulary, and the draft simply never proposes them.
+  times cheaper, and the engine stays exact: q is still a distribution over the target's
+  vocabulary, zero outside the subset, and the draft simply never proposes those tokens.
 
 The folder holds config.json, model.safetensors (the draft's own weights and `TOKEN_IDS`, the
 subset), the target's tokenizer and `DRAFT_INFO` (what it was distilled for, and how): `FORMAT`
@@ -32,7 +32,6 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from specdec_cli.decoding.cache import CachedModel
 from specdec_cli.drafters.feature import FeatureDrafter
 from specdec_cli.errors import SpecdecError
 from specdec_cli.models.draft_folder import DraftFolder, Drafting, Format
@@ -187,9 +186,7 @@ def drafting(draft: PreTrainedModel, vocab_size: int, confidence_threshold: floa
     config names."""
     states = target_layers(draft)
     read = "last hidden state" if states == LAST else f"hidden states {list(states)}"
-    return Drafting(
-        FeatureDrafter(CachedModel(draft, vocab_size), confidence_threshold), states, f"reads the target's {read}"
-    )
+    return Drafting(FeatureDrafter(draft, vocab_size, confidence_threshold), states, f"reads the target's {read}")
 
 
 FORMAT = Format(claims=lambda folder: (folder.path / DRAFT_INFO).is_file(), load=load, drafting=drafting)

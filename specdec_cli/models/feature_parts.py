@@ -28,8 +28,10 @@ def feature_inputs(draft: PreTrainedModel, input_ids: torch.Tensor, features: to
 
 
 class SubsetHead(torch.nn.Module):
-    """The target's LM head restricted to `token_ids`; every other token gets logit -inf. `weight`
-    gives the rows for `token_ids` when the draft has its own (EAGLE-3 drafts train theirs)."""
+    """The target's LM head restricted to `token_ids`: logits over those ids alone [..., len(token_ids)],
+    in their order (the drafter maps its draws back to the target's ids, and builds q over the whole
+    vocabulary only for verification). `weight` gives the rows for `token_ids` when the draft has its
+    own (EAGLE-3 drafts train theirs)."""
 
     def __init__(self, target_head: torch.Tensor, token_ids: torch.Tensor, weight: torch.Tensor | None = None):
         super().__init__()
@@ -39,18 +41,12 @@ class SubsetHead(torch.nn.Module):
         rows = target_head.detach()[self.token_ids] if weight is None else weight.to(target_head.device)
         self.register_buffer("weight", rows, persistent=False)
 
-    def scores(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of the subset only [..., len(token_ids)] (what training needs)."""
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.weight)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        scores = self.scores(hidden)
-        logits = scores.new_full((*scores.shape[:-1], self.vocab_size), float("-inf"))
-        logits[..., self.token_ids] = scores
-        return logits
 
-
-def vocabulary_subset(draft: torch.nn.Module) -> torch.Tensor | None:
-    """The token ids the draft's head scores, where that is a strict subset of the vocabulary."""
+def head_vocabulary(draft: torch.nn.Module) -> torch.Tensor | None:
+    """The target token ids a draft's logits are over, in order, where its head is a `SubsetHead`;
+    None where they are over the whole vocabulary."""
     head = next((m for m in draft.modules() if isinstance(m, SubsetHead)), None)
-    return head.token_ids if head is not None and len(head.token_ids) < head.vocab_size else None
+    return None if head is None else head.token_ids
