@@ -99,6 +99,8 @@ def test_a_python_without_vllm_is_one_error_line(files, tmp_path, monkeypatch):
     lines = err.strip().splitlines()
     assert code == 2 and "Traceback" not in err
     assert lines[-1].startswith("Error: vllm: ModuleNotFoundError: No module named 'vllm' (log: ")
+    log = Path(lines[-1].rsplit("(log: ", 1)[1].removesuffix(")"))
+    assert list(log.parent.iterdir()) == [log]  # a failed worker's log is kept, one of its own
 
 
 def test_setup_vllm_that_cannot_install_is_one_error_line(tmp_path, monkeypatch):
@@ -315,6 +317,14 @@ def test_a_bad_vllm_setting_is_one_line(tmp_path):
         VllmWorker(settings)
     message = str(failure.value)
     assert message.startswith("vllm: ") and "float99" in message and "\n" not in message
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not has_vllm(), reason="vLLM is not set up: specdec setup-vllm")
+def test_a_worker_that_ran_leaves_no_log():
+    with VllmWorker(engine_settings(parse_config(VLLM_TINY), "float32", None)) as worker:
+        assert worker.log.is_file()  # vLLM writes its log there while it runs
+    assert not worker.log.exists()
 
 
 @pytest.mark.vllm

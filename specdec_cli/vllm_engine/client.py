@@ -7,6 +7,7 @@ import json
 import os
 import re
 import subprocess
+import tempfile
 from pathlib import Path
 
 from specdec_cli.config import cache_dir
@@ -38,8 +39,14 @@ def vllm_python() -> Path:
     return python
 
 
-def log_path() -> Path:
-    return cache_dir() / "vllm-worker.log"
+def new_log() -> Path:
+    """A log file of the worker's own (concurrent runs must not write into each other's); it is kept
+    only where the worker failed."""
+    folder = cache_dir() / "vllm-logs"
+    folder.mkdir(parents=True, exist_ok=True)
+    handle, name = tempfile.mkstemp(prefix="worker-", suffix=".log", dir=folder)
+    os.close(handle)
+    return Path(name)
 
 
 def failure_line(log: str, reported: str | None) -> str:
@@ -56,11 +63,11 @@ class VllmWorker:
     """One vLLM engine in a worker process; `engine`: vllm.LLM's keyword arguments."""
 
     def __init__(self, engine: dict):
-        self.log = log_path()
-        self.log.parent.mkdir(parents=True, exist_ok=True)
+        python = vllm_python()
+        self.log, self.failed = new_log(), False
         with self.log.open("w") as log:
             self.process = subprocess.Popen(
-                [str(vllm_python()), str(WORKER)],
+                [str(python), str(WORKER)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,
@@ -77,6 +84,7 @@ class VllmWorker:
         line = self.process.stdout.readline()
         reply = json.loads(line) if line.strip() else {"error": None}
         if "error" in reply:
+            self.failed = True
             self.close()
             raise SpecdecError(
                 f"vllm: {failure_line(self.log.read_text(errors='replace'), reply['error'])} (log: {self.log})"
@@ -94,6 +102,8 @@ class VllmWorker:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if not self.failed:
+            self.log.unlink(missing_ok=True)
 
     def __enter__(self) -> VllmWorker:
         return self
