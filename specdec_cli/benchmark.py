@@ -93,7 +93,7 @@ def execute(
             if plan.batch_modes() and not partial:
                 batch_runs, partial = run_batches(pair, prompts, plan, on_batch)
         if vllm_modes and not partial:
-            from specdec_cli.bench.vllm_peer import run_vllm
+            from specdec_cli.bench.vllm_peer import cpu_build_sampling, run_vllm
 
             vllm_task = progress.add_task("vllm: starting an engine", total=len(prompts) * len(vllm_modes))
             started = []  # the runs begun so far
@@ -107,7 +107,10 @@ def execute(
             done = run_vllm(pair, prompts, plan, on_vllm_run, on_batch)
             progress.update(vllm_task, completed=len(started))
             runs, batch_runs, partial = runs + done.runs, batch_runs + done.batch_runs, done.partial
-            versions = {"vllm": done.version}
+            versions = {"vllm": done.version, "vllm_device": done.device}
+            warning = cpu_build_sampling(done.device, [m.temperature for m in vllm_modes if m.gamma])
+            if warning:
+                caption = f"{caption} {warning}"
         if batch_task is not None:
             progress.update(batch_task, completed=len(begun))
     summary = summarize(runs, plan.engine)
@@ -116,7 +119,8 @@ def execute(
     if plan.engine == VLLM:
         from specdec_cli.vllm_engine.settings import environment
 
-        where = environment(cfg, str(pair.dtype).removeprefix("torch."), versions["vllm"] if versions else "")
+        dtype = str(pair.dtype).removeprefix("torch.")
+        where = environment(cfg, dtype, *((versions["vllm"], versions["vllm_device"]) if versions else ("", "")))
     else:
         where = pair.describe()
     record = {

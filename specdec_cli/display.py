@@ -63,8 +63,9 @@ class TokenStream:
 def environment_caption(env: dict) -> str:
     if env.get("engine") == "vllm":
         return (
-            f"vLLM {env['vllm']}, {env['dtype']}, tensor parallel {env['tensor_parallel_size']}, pipeline parallel "
-            f"{env['pipeline_parallel_size']}; tokens/s over the whole call (prefill included)"
+            f"vLLM {env['vllm']} ({env.get('vllm_device', '?')} build), {env['dtype']}, tensor parallel "
+            f"{env['tensor_parallel_size']}, pipeline parallel {env['pipeline_parallel_size']}; tokens/s over "
+            "the whole call (prefill included)"
         )
     v = env["versions"]
     matmul = f", decoding matmuls {env['decode_matmul']}" if env.get("decode_matmul") else ""

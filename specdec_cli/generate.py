@@ -156,6 +156,7 @@ def generate_vllm(cfg: Config, prompts: list[Prompt], raw: bool, as_json: bool) 
     """The config in vLLM (its own environment: setup-vllm) instead of specdec's loop: the prompts' first
     turns, encoded by specdec, in one call that vLLM schedules itself; the draft as its speculative_config.
     Times are the call's, end to end."""
+    from specdec_cli.bench.vllm_peer import cpu_build_sampling
     from specdec_cli.vllm_engine.client import VllmWorker, vllm_python
     from specdec_cli.vllm_engine.settings import (
         engine_settings,
@@ -181,8 +182,11 @@ def generate_vllm(cfg: Config, prompts: list[Prompt], raw: bool, as_json: bool) 
             encoded, sampling(params, cfg.sampling.seed, cfg.generation.max_new_tokens, eos, ignore_eos)
         )
     results = generation_results(encoded, reply, eos, ignore_eos)
+    warning = cpu_build_sampling(worker.device, [params.temperature])
+    if warning:
+        display.stderr.print(f"Note: {warning}")
     record = {
-        **records.header("generate", cfg, environment(cfg, dtype, worker.version)),
+        **records.header("generate", cfg, environment(cfg, dtype, worker.version, worker.device)),
         "engine": "vllm",
         "speculative_config": speculative,
         "raw": raw,

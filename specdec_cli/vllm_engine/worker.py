@@ -59,10 +59,11 @@ def generate(llm, request: dict) -> dict:
 
 def serve(protocol) -> None:
     import vllm
+    from vllm.platforms import current_platform
 
     settings = json.loads(sys.stdin.readline())
     llm = vllm.LLM(**settings["engine"])
-    reply(protocol, {"ready": True, "version": vllm.__version__})
+    reply(protocol, {"ready": True, "version": vllm.__version__, "device": current_platform.device_type})
     for line in sys.stdin:
         if line.strip():
             reply(protocol, generate(llm, json.loads(line)))
