@@ -119,8 +119,9 @@ def execute(
     if plan.engine == VLLM:
         from specdec_cli.vllm_engine.settings import environment
 
+        found = versions or {}
         dtype = str(pair.dtype).removeprefix("torch.")
-        where = environment(cfg, dtype, *((versions["vllm"], versions["vllm_device"]) if versions else ("", "")))
+        where = environment(cfg, dtype, found.get("vllm", ""), found.get("vllm_device", ""))
     else:
         where = pair.describe()
     record = {
