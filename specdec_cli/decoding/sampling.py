@@ -53,6 +53,14 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return (probs.double() / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
 
+def spread(probs: torch.Tensor, vocabulary: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """probs [..., S] over a draft head's `vocabulary` [S] (its columns' token ids) as [..., V], zero at
+    every other id; None: probs are over all V already."""
+    if vocabulary is None:
+        return probs
+    return probs.new_zeros(*probs.shape[:-1], vocab_size).index_copy_(-1, vocabulary, probs)
+
+
 def accepted_prefix_length(accepted: torch.Tensor) -> torch.Tensor:
     """Number of leading True values per row. accepted: [B, g] bool -> [B] int64."""
     return accepted.long().cumprod(dim=-1).sum(dim=-1)

@@ -28,7 +28,7 @@ import torch
 from specdec_cli.config import TreeShape
 from specdec_cli.decoding.host import to_device
 from specdec_cli.decoding.params import SamplingParams
-from specdec_cli.decoding.sampling import residual, sample, warp
+from specdec_cli.decoding.sampling import residual, sample, spread, warp
 
 
 class SampledChildren(NamedTuple):
@@ -42,10 +42,7 @@ class SampledChildren(NamedTuple):
 
     def q(self, rows: torch.Tensor, slots: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """[B, V] q at the node in slot `slots` [B] of each row (any q where it has no children)."""
-        probs = self.probs[rows, self.of_slot[rows, slots].clamp_min(0)]
-        if self.vocabulary is None:
-            return probs
-        return probs.new_zeros(len(probs), vocab_size).index_copy_(1, self.vocabulary, probs)
+        return spread(self.probs[rows, self.of_slot[rows, slots].clamp_min(0)], self.vocabulary, vocab_size)
 
 
 class DraftTree(NamedTuple):

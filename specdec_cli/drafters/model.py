@@ -10,7 +10,7 @@ from specdec_cli.config import TreeShape
 from specdec_cli.decoding.cache import CachedModel, right_padded
 from specdec_cli.decoding.host import to_host
 from specdec_cli.decoding.params import SamplingParams
-from specdec_cli.decoding.sampling import sample, warp
+from specdec_cli.decoding.sampling import sample, spread, warp
 from specdec_cli.decoding.tree import DraftTree, TreeGrowth, draft_log_probs
 from specdec_cli.drafters.base import Drafts, Rows, States
 
@@ -63,11 +63,7 @@ def stack_drafts(
     head's `vocabulary` (see `draft_token`) is put at its token ids, once per block."""
     if not tokens:
         return torch.zeros(rows, 0, dtype=torch.long, device=device), torch.zeros(rows, 0, vocab_size, device=device)
-    if probs[0] is None:
-        return torch.stack(tokens, dim=1), None
-    q = torch.stack(probs, dim=1)
-    if vocabulary is not None:
-        q = q.new_zeros(*q.shape[:-1], vocab_size).index_copy_(-1, vocabulary, q)
+    q = None if probs[0] is None else spread(torch.stack(probs, dim=1), vocabulary, vocab_size)
     return torch.stack(tokens, dim=1), q
 
 
