@@ -12,9 +12,13 @@ from one forward.
   layer's k/v projections of the context, no input norm) and of the block. Context K/V depend on
   the context only, so they are computed once per token and kept; the block's are not.
 - Logits: the target's head over `norm` of the block's outputs at positions 1.. (block_size - 1 drafts).
+- Config: `block_size` and `num_target_layers` at the top level or, in newer z-lab configs, in
+  `dflash_config` (read there first, as SGLang's `parse_dflash_draft_config` does).
 
+Also read as vLLM reads them: vllm-project/speculators' layout (`dflash_settings`), and a draft's
+own `embed_tokens` and `lm_head` over a draft vocabulary mapped by `d2t` (eagle.draft_head).
 Not read (vLLM's extensions): sliding-window or causal layers, attention sinks, a separate mask
-embedding, a draft's own embedding, head or vocabulary map; such checkpoints are refused.
+embedding; such checkpoints are refused.
 """
 
 from __future__ import annotations
@@ -28,13 +32,44 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 from specdec_cli.drafters.block import BlockDrafter
 from specdec_cli.errors import SpecdecError
 from specdec_cli.models.draft_folder import DraftFolder, Drafting, Format
+from specdec_cli.models.eagle import draft_head, with_dtype
+from specdec_cli.models.feature_parts import SubsetHead
 from specdec_cli.models.target_states import check_states, from_outputs
 
 ARCHITECTURE = "DFlashDraftModel"
 
 
 def recognise(folder: DraftFolder) -> bool:
-    return ARCHITECTURE in (folder.config.get("architectures") or []) or "dflash_config" in folder.config
+    if folder.speculators is not None:
+        return folder.speculators == "dflash"
+    return ARCHITECTURE in folder.architectures or "dflash_config" in folder.config
+
+
+def dflash_settings(folder: DraftFolder) -> dict:
+    """The draft's config as z-lab writes it. The speculators layout (vllm-project/speculators'
+    `DFlashSpeculator`) nests the layers' model config in `transformer_layer_config` and names the
+    target states it reads `aux_hidden_state_layer_ids`, layer INPUTS (vLLM's `update_dflash` turns
+    them into z-lab's layer outputs, id - 1); its `block_size` defaults to 8."""
+    raw, where = folder.config, f"DFlash checkpoint {folder.path} (speculators layout)"
+    if folder.speculators is None:
+        return raw
+    layer, aux = raw.get("transformer_layer_config"), raw.get("aux_hidden_state_layer_ids")
+    if not isinstance(layer, dict) or not aux or not isinstance(raw.get("mask_token_id"), int):
+        needs = "transformer_layer_config, aux_hidden_state_layer_ids and mask_token_id"
+        raise SpecdecError(f"{where}: config needs {needs}")
+    if raw.get("sample_from_anchor"):
+        raise SpecdecError(f"{where}: sample_from_anchor (drafting the anchor position too) is not supported")
+    if type(raw.get("target_hidden_size")) is int and raw["target_hidden_size"] != layer.get("hidden_size"):
+        raise SpecdecError(f"{where}: target_hidden_size differs from the draft's hidden size, not supported")
+    return {
+        **layer,
+        "block_size": raw.get("block_size", 8),
+        "draft_vocab_size": raw.get("draft_vocab_size"),
+        "dflash_config": {
+            "target_layer_ids": [i - 1 if type(i) is int else i for i in aux],
+            "mask_token_id": raw["mask_token_id"],
+        },
+    }
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -105,6 +140,23 @@ class Layer(torch.nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class VocabularyLogits(torch.nn.Module):
+    """Logits over the target's whole vocabulary from a head over part of it, -inf at every id it
+    does not score (vLLM's `compute_logits` for a draft vocabulary)."""
+
+    def __init__(self, subset: SubsetHead):
+        super().__init__()
+        self.subset = subset
+        self.whole = torch.equal(subset.token_ids.cpu(), torch.arange(subset.vocab_size))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        scores = self.subset(hidden)
+        if self.whole:
+            return scores
+        spread = scores.new_full((*scores.shape[:-1], self.subset.vocab_size), float("-inf"))
+        return spread.index_copy_(-1, self.subset.token_ids, scores)
+
+
 class DFlashDraft(torch.nn.Module):
     def __init__(self, config, target_layer_ids: list[int], qk_norm: bool, target_width: int):
         super().__init__()
@@ -119,7 +171,8 @@ class DFlashDraft(torch.nn.Module):
         self.norm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = LlamaRotaryEmbedding(config)  # rope_parameters of the draft's config
         self.mask_token_id = 0
-        self.borrowed: tuple = ()  # (embedding, head): the target's, kept out of this module's state
+        # (embedding, head): the target's, or the draft's own, kept out of this module's state
+        self.borrowed: tuple = ()
 
     @property
     def kv_shape(self) -> tuple[int, int]:
@@ -160,7 +213,7 @@ def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int
 def load(folder: DraftFolder, target_model, dtype: torch.dtype) -> DFlashDraft:
     """The draft on the target's device in `dtype`, checked against the target (widths, vocabulary,
     layer ids), reading the target's embedding and head."""
-    config, where = folder.config, f"DFlash checkpoint {folder.path}"
+    config, where = dflash_settings(folder), f"DFlash checkpoint {folder.path}"
     target = target_model.config.get_text_config()
     num_layers, width = target.num_hidden_layers, target.hidden_size
     embedding, head = target_model.get_input_embeddings(), target_model.get_output_embeddings()
@@ -182,7 +235,7 @@ def load(folder: DraftFolder, target_model, dtype: torch.dtype) -> DFlashDraft:
     ]
     if unsupported:
         raise SpecdecError(f"{where}: {', '.join(dict.fromkeys(unsupported))} not supported")
-    block_size = config.get("block_size")
+    block_size = dflash.get("block_size", config.get("block_size"))  # newer z-lab configs nest it
     if not isinstance(block_size, int) or block_size < 2:
         raise SpecdecError(f"{where}: config needs block_size >= 2 (found {block_size!r})")
     mask_token_id = dflash.get("mask_token_id", config.get("mask_token_id"))
@@ -191,7 +244,7 @@ def load(folder: DraftFolder, target_model, dtype: torch.dtype) -> DFlashDraft:
             f"{where}: dflash_config.mask_token_id {mask_token_id!r} is not a token of the target's "
             f"{embedding.weight.shape[0]}-token embedding"
         )
-    trained_for = config.get("num_target_layers")
+    trained_for = dflash.get("num_target_layers", config.get("num_target_layers"))
     if trained_for is not None and trained_for != num_layers:
         raise SpecdecError(f"{where}: made for a target of {trained_for} layers, this target has {num_layers}")
     if config.get("vocab_size") not in (None, vocab_size):
@@ -201,7 +254,7 @@ def load(folder: DraftFolder, target_model, dtype: torch.dtype) -> DFlashDraft:
     layer_ids = dflash.get("target_layer_ids") or default_layer_ids(num_layers, config.get("num_hidden_layers", 1))
     states = from_outputs(layer_ids)
     check_states(states, num_layers, f"{where}: target_layer_ids {list(layer_ids)} (hidden states {states})", lowest=1)
-    settings = {k: v for k, v in config.items() if k != "model_type"}
+    settings = {k: v for k, v in config.items() if k != "model_type"} | {"block_size": block_size}
     try:
         draft_config = AutoConfig.for_model(config.get("model_type", "qwen3"), **settings)
     except (KeyError, ValueError, TypeError) as exc:
@@ -211,7 +264,17 @@ def load(folder: DraftFolder, target_model, dtype: torch.dtype) -> DFlashDraft:
             f"{where}: hidden size {draft_config.hidden_size}, the target's is {width} (the draft reads the "
             f"target's embedding and head)"
         )
-    tensors = folder.weights
+    tensors = with_dtype(folder.weights, dtype)
+    # vLLM's reading of a draft's own embedding and head (the speculators layout ships both)
+    own_embedding = tensors.pop("embed_tokens.weight", None)
+    if own_embedding is not None:
+        if own_embedding.shape != embedding.weight.shape:
+            raise SpecdecError(
+                f"{where}: embed_tokens.weight is {list(own_embedding.shape)}, the target's embedding "
+                f"{list(embedding.weight.shape)}"
+            )
+        embedding = torch.nn.Embedding.from_pretrained(own_embedding.to(head.weight.device))
+    logits = VocabularyLogits(draft_head(where, config, tensors, target_model))
     fc = tensors.get("fc.weight")
     if fc is not None and fc.shape != (width, len(layer_ids) * width):
         raise SpecdecError(
@@ -237,7 +300,7 @@ def load(folder: DraftFolder, target_model, dtype: torch.dtype) -> DFlashDraft:
     model.load_state_dict({k: v.to(device, dtype) for k, v in tensors.items()}, assign=True)
     model.rotary = LlamaRotaryEmbedding(draft_config).to(device)  # its buffers were made on meta
     model.mask_token_id = mask_token_id
-    model.borrowed = (embedding, head)
+    model.borrowed = (embedding, logits)
     return model.eval()
 
 

@@ -75,6 +75,12 @@ class DraftFolder:
     def architectures(self) -> list[str]:
         return list(self.config.get("architectures") or [])
 
+    @property
+    def speculators(self) -> str | None:
+        """The algorithm of a draft in vllm-project/speculators' layout (eagle3, dflash, ...), else None."""
+        config = self.config
+        return config.get("speculators_model_type") or (config.get("speculators_config") or {}).get("algorithm")
+
     @cached_property
     def files(self) -> list[Path]:
         return weight_files(self.path)

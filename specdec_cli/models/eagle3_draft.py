@@ -140,7 +140,7 @@ def init_eagle3(
     draft.model.embed_tokens = target.get_input_embeddings()
     draft.model.embed_tokens.weight.requires_grad_(False)
     subset = SubsetHead(target.get_output_embeddings().weight, token_ids)
-    rows = subset.weight.float()
+    rows = subset.weight.float().clone()  # trained: never the target head itself
     del subset.weight
     subset.weight = torch.nn.Parameter(rows)  # EAGLE-3 drafts train their head's rows
     draft.lm_head = Eagle3Head(norm.to(target.device), subset)

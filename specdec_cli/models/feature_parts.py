@@ -38,7 +38,12 @@ class SubsetHead(torch.nn.Module):
         self.vocab_size = target_head.shape[0]
         # buffers, not parameters: frozen, and left out of the draft's state dict (stored by reference)
         self.register_buffer("token_ids", token_ids.to(target_head.device), persistent=False)
-        rows = target_head.detach()[self.token_ids] if weight is None else weight.to(target_head.device)
+        if weight is not None:
+            rows = weight.to(target_head.device)
+        elif torch.equal(self.token_ids, torch.arange(self.vocab_size, device=target_head.device)):
+            rows = target_head.detach()  # the whole head: no copy
+        else:
+            rows = target_head.detach()[self.token_ids]
         self.register_buffer("weight", rows, persistent=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

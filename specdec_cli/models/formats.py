@@ -50,6 +50,11 @@ def load_format(
     if folder is None:
         return None
     name = recognise(folder)
+    if name is None and folder.speculators is not None:
+        raise SpecdecError(
+            f"draft {path}: a speculators {folder.speculators} draft (vllm-project/speculators' layout); "
+            "specdec reads its eagle3 and dflash drafts"
+        )
     if name is not None:
         if target is None:
             raise SpecdecError(f"{path} is a {name} draft: it can only be loaded as the draft of a target")
