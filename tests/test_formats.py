@@ -96,20 +96,57 @@ def eagle_checkpoint(seed: int = 1) -> tuple[dict, dict[str, torch.Tensor]]:
     return llama_config(), weights
 
 
-def eagle3_checkpoint(seed: int = 2, **config) -> tuple[dict, dict[str, torch.Tensor]]:
+def eagle3_checkpoint(
+    seed: int = 2, layout: str = "specforge", qwen3: bool = False, fc_norm: bool = False, **config
+) -> tuple[dict, dict[str, torch.Tensor]]:
     """EAGLE-3 as SpecForge saves it: fc [H, 3H], a midlayer whose q/k/v read 2H, its final norm,
-    lm_head over a draft vocabulary of 96 tokens, d2t (target id = i + d2t[i]) and t2d."""
+    lm_head over a draft vocabulary of 96 tokens, d2t (target id = i + d2t[i]) and t2d. `layout`
+    "speculators": as vllm-project/speculators saves an `Eagle3Speculator` (the layer's config in
+    `transformer_layer_config`, `layers.0.*`, its own `embed_tokens`; speculators/models/eagle3).
+    `qwen3`: a Qwen3 layer (q_norm, k_norm); `fc_norm`: EAGLE-3.1's norm of each tap (`fc_norm.{i}`)."""
     gen = torch.Generator().manual_seed(seed)
-    weights = random_layer("midlayer.", 2 * H, gen)
-    weights["midlayer.input_layernorm.weight"] = 1 + torch.randn(H, generator=gen) * 0.2
-    weights["midlayer.hidden_norm.weight"] = 1 + torch.randn(H, generator=gen) * 0.2
+    prefix = "layers.0." if layout == "speculators" else "midlayer."
+    weights = random_layer(prefix, 2 * H, gen)
+    weights[f"{prefix}input_layernorm.weight"] = 1 + torch.randn(H, generator=gen) * 0.2
+    weights[f"{prefix}hidden_norm.weight"] = 1 + torch.randn(H, generator=gen) * 0.2
+    if qwen3:
+        for name in ("q_norm", "k_norm"):
+            weights[f"{prefix}self_attn.{name}.weight"] = 1 + torch.randn(HEAD_DIM, generator=gen) * 0.2
+    if fc_norm:
+        for i in range(3):  # target states differ in scale by layer: each tap's norm evens them out
+            weights[f"fc_norm.{i}.weight"] = 1 + torch.randn(H, generator=gen) * 0.2
     weights["fc.weight"] = torch.randn(H, 3 * H, generator=gen) * 0.1
     weights["norm.weight"] = 1 + torch.randn(H, generator=gen) * 0.2
     weights["lm_head.weight"] = torch.randn(DRAFT_VOCAB, H, generator=gen) * 0.3
     used = torch.randperm(VOCAB, generator=gen)[:DRAFT_VOCAB].sort().values
     weights["d2t"] = used - torch.arange(DRAFT_VOCAB)
     weights["t2d"] = torch.zeros(VOCAB, dtype=torch.bool).index_fill(0, used, True)
-    return llama_config(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=DRAFT_VOCAB, **config), weights
+    layer = llama_config(**({"model_type": "qwen3", "head_dim": HEAD_DIM} if qwen3 else {}))
+    if layout != "speculators":
+        flat = {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": DRAFT_VOCAB}
+        return {**flat, **({"fc_norm": True} if fc_norm else {}), **config}, weights
+    weights["embed_tokens.weight"] = torch.randn(VOCAB, H, generator=gen)  # its own, not the target's
+    del layer["architectures"]
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.4.0",
+        "draft_vocab_size": DRAFT_VOCAB,
+        "target_hidden_size": None,
+        "eagle_aux_hidden_state_layer_ids": [1, 3, 5],  # layer inputs
+        "norm_before_residual": True,
+        "norm_before_fc": False,
+        "fc_norm": fc_norm,
+        "norm_output": False,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+            "verifier": {"name_or_path": "tiny-target", "architectures": ["LlamaForCausalLM"]},
+        },
+        "transformer_layer_config": layer,
+        **config,
+    }, weights
 
 
 def write_folder(folder, config: dict, weights: dict[str, torch.Tensor]):
@@ -148,13 +185,18 @@ def rope(x: torch.Tensor) -> torch.Tensor:
     return x * cos + torch.cat([-x[..., d // 2 :], x[..., : d // 2]], dim=-1) * sin
 
 
-def attention(x: torch.Tensor, w: dict, prefix: str) -> torch.Tensor:
-    """Causal multi-head attention over x [n, width] with grouped key/value heads."""
+def attention(x: torch.Tensor, w: dict, prefix: str, wrong: str = "") -> torch.Tensor:
+    """Causal multi-head attention over x [n, width] with grouped key/value heads; Qwen3's per-head
+    q and k norms where the layer has them (`wrong`: "no rope", "no qk norm")."""
     n = x.shape[0]
-    q = (x @ w[f"{prefix}q_proj.weight"].T).view(n, HEADS, HEAD_DIM).transpose(0, 1)
-    k = (x @ w[f"{prefix}k_proj.weight"].T).view(n, KV_HEADS, HEAD_DIM).transpose(0, 1)
+    q = (x @ w[f"{prefix}q_proj.weight"].T).view(n, HEADS, HEAD_DIM)
+    k = (x @ w[f"{prefix}k_proj.weight"].T).view(n, KV_HEADS, HEAD_DIM)
+    if f"{prefix}q_norm.weight" in w and wrong != "no qk norm":
+        q, k = rms(q, w[f"{prefix}q_norm.weight"]), rms(k, w[f"{prefix}k_norm.weight"])
+    q, k = q.transpose(0, 1), k.transpose(0, 1)
     v = (x @ w[f"{prefix}v_proj.weight"].T).view(n, KV_HEADS, HEAD_DIM).transpose(0, 1)
-    q, k = rope(q), rope(k)
+    if wrong != "no rope":
+        q, k = rope(q), rope(k)
     k, v = k.repeat_interleave(HEADS // KV_HEADS, 0), v.repeat_interleave(HEADS // KV_HEADS, 0)
     scores = (q @ k.transpose(1, 2)) / HEAD_DIM**0.5
     scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
@@ -176,19 +218,35 @@ def eagle_forward(w: dict, target, embeds: torch.Tensor, states: torch.Tensor):
     return out, out @ target.lm_head.weight.T
 
 
-def eagle3_forward(w: dict, config: dict, embeds: torch.Tensor, states: torch.Tensor):
-    """EAGLE-3's midlayer: attention over [input_layernorm(embedding), hidden_norm(state)], the state
-    as residual (its normed form with norm_before_residual), MLP; logits = lm_head(norm(out)) put at
-    target ids i + d2t[i], -inf elsewhere. The state fed back is `out`, before `norm`."""
-    normed = rms(states, w["midlayer.hidden_norm.weight"])
-    x = torch.cat([rms(embeds, w["midlayer.input_layernorm.weight"]), normed], dim=-1)
-    residual = normed if config.get("norm_before_residual") else states
-    h = residual + attention(x, w, "midlayer.self_attn.")
-    out = h + mlp(rms(h, w["midlayer.post_attention_layernorm.weight"]), w, "midlayer.mlp.")
-    scores = rms(out, w["norm.weight"]) @ w["lm_head.weight"].T
+def eagle3_forward(w: dict, config: dict, target, embeds: torch.Tensor, states: torch.Tensor, wrong: str = ""):
+    """EAGLE-3's midlayer (`layers.0` in the speculators layout): attention over
+    [input_layernorm(embedding), hidden_norm(state)], the state as residual (its normed form with
+    norm_before_residual, which vLLM takes as true where a speculators config leaves it out), MLP;
+    logits = lm_head(norm(out)) put at target ids i + d2t[i], -inf elsewhere (without an lm_head,
+    over all ids: the draft's embedding with tie_word_embeddings, else the target's head). The state
+    fed back is `out` before `norm`, after it with `norm_output` (EAGLE-3.1). `wrong` names one
+    deliberately wrong reading (`WRONG_READINGS`)."""
+    speculators = "transformer_layer_config" in config
+    p = "layers.0." if speculators else "midlayer."
+    normed = rms(states, w[f"{p}hidden_norm.weight"])
+    x = torch.cat([rms(embeds, w[f"{p}input_layernorm.weight"]), normed], dim=-1)
+    before_residual = config.get("norm_before_residual", speculators)
+    if wrong == "norm_before_residual as the flat default":
+        before_residual = config.get("norm_before_residual", False)
+    residual = normed if before_residual else states
+    h = residual + attention(x, w, f"{p}self_attn.", wrong)
+    out = h + mlp(rms(h, w[f"{p}post_attention_layernorm.weight"]), w, f"{p}mlp.")
+    post = rms(out, w["norm.weight"])
+    fed = post if config.get("norm_output") and wrong != "fed back before norm" else out
+    if "lm_head.weight" not in w:
+        tied = config.get("tie_word_embeddings") and wrong != "the target's head"
+        head = w.get("embed_tokens.weight", target.model.embed_tokens.weight) if tied else target.lm_head.weight
+        return fed, post @ head.T
+    scores = post @ w["lm_head.weight"].T
     logits = torch.full((len(out), VOCAB), float("-inf"))
-    logits[:, torch.arange(DRAFT_VOCAB) + w["d2t"]] = scores
-    return out, logits
+    ids = w["d2t"] if wrong == "d2t as ids" else torch.arange(DRAFT_VOCAB) + w["d2t"]
+    logits[:, ids] = scores
+    return fed, logits
 
 
 def captured(target, ids: list[int], layers: list[int], where: str) -> torch.Tensor:
@@ -208,56 +266,129 @@ def captured(target, ids: list[int], layers: list[int], where: str) -> torch.Ten
     return torch.cat([seen[i][0] for i in layers], dim=-1)
 
 
-TAP_CONVENTIONS = {
-    # SpecForge/SGLang: eagle_config ids are layer outputs
-    "eagle_config": ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [5, 1, 3]}}, [1, 3, 5], "output"),
-    # vLLM / speculators: top-level ids are layer inputs
-    "vllm": ({"eagle_aux_hidden_state_layer_ids": [1, 3, 5], "norm_before_residual": True}, [1, 3, 5], "input"),
-    # none named: the inputs of layers 2, L//2, L-3
-    "default": ({}, [2, LAYERS // 2, LAYERS - 3], "input"),
-}
+def eagle3_layout(name: str) -> tuple[dict, dict, list[int], str]:
+    """A tiny EAGLE-3 checkpoint as one project writes it: (config, tensors, the target layers it
+    reads, whether at their "input" or "output")."""
+    unmapped = ("lm_head.weight", "d2t", "t2d")
+    if name == "eagle_config":  # SpecForge/SGLang: eagle_config ids are layer outputs
+        return *eagle3_checkpoint(eagle_config={"eagle_aux_hidden_state_layer_ids": [5, 1, 3]}), [1, 3, 5], "output"
+    if name == "vllm":  # vLLM / speculators: top-level ids are layer inputs
+        config, w = eagle3_checkpoint(eagle_aux_hidden_state_layer_ids=[1, 3, 5], norm_before_residual=True)
+        return config, w, [1, 3, 5], "input"
+    if name == "default":  # none named: the inputs of layers 2, L//2, L-3
+        return *eagle3_checkpoint(), [2, LAYERS // 2, LAYERS - 3], "input"
+    if name == "eagle3.1":  # SpecForge's EAGLE-3.1 config: a norm per tap, the normed output fed back
+        return *eagle3_checkpoint(fc_norm=True, norm_output=True), [2, LAYERS // 2, LAYERS - 3], "input"
+    if name == "target head":  # draft_vocab_size null, no lm_head: SGLang and vLLM use the target's head
+        config, w = eagle3_checkpoint(draft_vocab_size=None)
+        return config, {k: v for k, v in w.items() if k not in unmapped}, [2, LAYERS // 2, LAYERS - 3], "input"
+    if name == "tied":  # tie_word_embeddings and no lm_head: SGLang's head is the draft's embedding
+        config, w = eagle3_checkpoint(tie_word_embeddings=True)
+        del config["draft_vocab_size"]
+        w = {k: v for k, v in w.items() if k not in unmapped}
+        w["embed_tokens.weight"] = torch.randn(VOCAB, H, generator=torch.Generator().manual_seed(7))
+        return config, w, [2, LAYERS // 2, LAYERS - 3], "input"
+    qwen3, eagle31 = name == "speculators qwen3", name == "speculators eagle3.1"
+    config, w = eagle3_checkpoint(layout="speculators", qwen3=qwen3, fc_norm=eagle31)
+    config["norm_output"], config["norm_before_residual"] = eagle31, not qwen3
+    if name == "speculators":  # norm_before_residual left out: vLLM reads it as true
+        del config["norm_before_residual"]
+    return config, w, [1, 3, 5], "input"
 
 
-def draft_two_steps(pair, prompt_ids: list[int]):
-    """Drive the pair's FeatureDrafter as the engine does at T = 1: two draft tokens and their q."""
+EAGLE3_LAYOUTS = [
+    "eagle_config",
+    "vllm",
+    "default",
+    "eagle3.1",
+    "target head",
+    "tied",
+    "speculators",
+    "speculators qwen3",
+    "speculators eagle3.1",
+]
+
+
+def draft_steps(pair, prompt_ids: list[int], steps: int):
+    """Drive the pair's FeatureDrafter as the engine does at T = 1: `steps` draft tokens and their q."""
     pair.target.reset(len(prompt_ids) + 8)
     states = pair.target.forward(torch.tensor([prompt_ids]), hidden=True).hidden
     pair.drafter.start([prompt_ids], len(prompt_ids) + 8, states)
-    drafts, q = pair.drafter.propose(2, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
+    drafts, q = pair.drafter.propose(steps, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
     return drafts[0].tolist(), q[0]
 
 
-def assert_same_distribution(q: torch.Tensor, logits: torch.Tensor) -> None:
+def eagle3_reference(w, config, target, ids, drafts, taps, where, wrong="") -> list[torch.Tensor]:
+    """The format's logits at each draft step, computed from scratch: the target's states at the
+    prompt's tokens, then the draft's own fed-back state at each token it drafted."""
+    embed = target.model.embed_tokens.weight if wrong == "the target's embedding" else None
+    embed = w.get("embed_tokens.weight", target.model.embed_tokens.weight) if embed is None else embed
+    if wrong == "taps off by one":
+        where = "output" if where == "input" else "input"
+    tapped = captured(target, ids, taps, where)[:-1]  # the state at token j sits beside token j + 1
+    if config.get("fc_norm") and wrong != "no fc_norm":
+        tapped = torch.cat([rms(c, w[f"fc_norm.{i}.weight"]) for i, c in enumerate(tapped.chunk(3, -1))], -1)
+    states, tokens, logits, fed = tapped @ w["fc.weight"].T, ids[1:], [], None
+    for drafted in [None, *drafts[:-1]]:
+        if drafted is not None:
+            tokens, states = tokens + [drafted], torch.cat([states, fed[-1:]])
+        fed, step = eagle3_forward(w, config, target, embed[tokens], states, wrong)
+        logits.append(step[-1])
+    return logits
+
+
+def same_distribution(q: torch.Tensor, logits: torch.Tensor) -> bool:
     expected = logits.softmax(-1)
-    assert torch.equal(q == 0, expected == 0)  # the same support (EAGLE-3: the d2t ids only)
-    torch.testing.assert_close(q, expected, atol=2e-5, rtol=1e-4)
+    return torch.equal(q == 0, expected == 0) and torch.allclose(q, expected, atol=2e-5, rtol=1e-4)
+
+
+def assert_same_distribution(q: torch.Tensor, logits: torch.Tensor) -> None:
+    assert same_distribution(q, logits), (q - logits.softmax(-1)).abs().max()  # the same support too (d2t's ids)
     assert q.max() < 0.95  # a distribution the computation decides, not one token regardless
 
 
-@pytest.mark.parametrize("convention", TAP_CONVENTIONS)
-def test_eagle3_draft_computes_the_formats_forward(tmp_path, target, convention, capsys):
-    extra, layers, where = TAP_CONVENTIONS[convention]
-    config, w = eagle3_checkpoint(**extra)
+def load_layout(tmp_path, layout: str):
+    config, w, taps, where = eagle3_layout(layout)
     pair = load_pair(load_config(str(write_pair(tmp_path, write_folder(tmp_path / "eagle3", config, w)))))
+    return pair, config, w, taps, where
+
+
+@pytest.mark.parametrize("layout", EAGLE3_LAYOUTS)
+def test_eagle3_draft_computes_the_formats_forward(tmp_path, target, layout, capsys):
+    pair, config, w, taps, where = load_layout(tmp_path, layout)
     assert "eagle3 draft reads target hidden states" in capsys.readouterr().err  # the taps, said aloud
     ids = pair.encode(PROMPT, raw=True)
-    (first, second), q = draft_two_steps(pair, ids)
+    drafts, q = draft_steps(pair, ids, 3)
+    for step, logits in enumerate(eagle3_reference(w, config, target, ids, drafts, taps, where)):
+        assert_same_distribution(q[step], logits)
 
-    embed = target.model.embed_tokens.weight
-    taps = captured(target, ids, layers, where)[:-1]  # the state at token j sits beside token j + 1
-    states = taps @ w["fc.weight"].T
-    out, logits = eagle3_forward(w, config, embed[ids[1:]], states)
-    assert_same_distribution(q[0], logits[-1])
-    # step 2 reads the draft's own state (before `norm`) beside the token it drafted
-    _, logits = eagle3_forward(w, config, embed[ids[1:] + [first]], torch.cat([states, out[-1:]]))
-    assert_same_distribution(q[1], logits[-1])
+
+# each layout's deliberately wrong readings, which the comparison above must tell from the right one
+WRONG_READINGS = {
+    "vllm": ["taps off by one", "no rope"],
+    "eagle_config": ["taps off by one", "d2t as ids"],
+    "eagle3.1": ["no fc_norm", "fed back before norm"],
+    "tied": ["the target's head"],
+    "speculators": ["norm_before_residual as the flat default", "the target's embedding", "d2t as ids"],
+    "speculators qwen3": ["no qk norm"],
+    "speculators eagle3.1": ["no fc_norm", "fed back before norm"],
+}
+
+
+@pytest.mark.parametrize("layout, wrong", [(k, w) for k, ws in WRONG_READINGS.items() for w in ws])
+def test_the_comparison_catches_a_wrong_reading(tmp_path, target, layout, wrong):
+    pair, config, w, taps, where = load_layout(tmp_path, layout)
+    ids = pair.encode(PROMPT, raw=True)
+    drafts, q = draft_steps(pair, ids, 3)
+    misread = eagle3_reference(w, config, target, ids, drafts, taps, where, wrong)
+    assert not all(same_distribution(q[step], logits) for step, logits in enumerate(misread))
 
 
 def test_eagle_draft_computes_the_formats_forward(tmp_path, target):
     config, w = eagle_checkpoint()
     pair = load_pair(load_config(str(write_pair(tmp_path, write_folder(tmp_path / "eagle", config, w)))))
     ids = pair.encode(PROMPT, raw=True)
-    (first, _), q = draft_two_steps(pair, ids)
+    (first, _), q = draft_steps(pair, ids, 2)
 
     embed = target.model.embed_tokens.weight
     states = captured(target, ids, [0], "norm")[:-1]  # the target's last state, after its final norm
@@ -270,11 +401,15 @@ def test_eagle_draft_computes_the_formats_forward(tmp_path, target):
 # ---------------------------------------------------------------- exact decoding
 
 
-@pytest.fixture(scope="module", params=["eagle", "eagle3"])
+@pytest.fixture(scope="module", params=["eagle", "eagle3", "eagle3.1", "target head", "tied", *EAGLE3_LAYOUTS[-3:]])
 def pair_config(request, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp(request.param)
-    config, weights = eagle_checkpoint() if request.param == "eagle" else eagle3_checkpoint()
-    return request.param, write_pair(tmp, write_folder(tmp / request.param, config, weights))
+    """(format, the pair's config file, the states its draft reads as `generate` says them)."""
+    tmp = tmp_path_factory.mktemp("draft")
+    if request.param == "eagle":
+        return "eagle", write_pair(tmp, write_folder(tmp / "eagle", *eagle_checkpoint())), "last hidden state"
+    config, weights, taps, where = eagle3_layout("default" if request.param == "eagle3" else request.param)
+    states = sorted(i + (where == "output") for i in taps)
+    return "eagle3", write_pair(tmp, write_folder(tmp / "eagle3", config, weights)), f"hidden states {states}"
 
 
 def generate_json(config, *args: str):
@@ -284,19 +419,18 @@ def generate_json(config, *args: str):
 
 
 def test_greedy_output_is_the_targets(pair_config, tmp_path):
-    kind, config = pair_config
+    kind, config, layers = pair_config
     alone = write_pair(tmp_path, None, "alone.yaml", draft={"ngram": {}})
     expected, _ = generate_json(alone)
     for gamma in ("1", "3"):
         record, stderr = generate_json(config, "--num-draft-tokens", gamma)
         assert record["token_ids"] == expected["token_ids"]
-        layers = "last hidden state" if kind == "eagle" else "hidden states [2, 4, 5]"
         assert record["draft"] == f"{kind} draft, reads the target's {layers}"
         assert f"Draft: {record['draft']}" in stderr
 
 
 def test_sampled_output_is_the_targets(pair_config):
-    _, config = pair_config
+    _, config, _ = pair_config
     pair = load_pair(load_config(str(config)))
     prompt_ids = pair.encode(PROMPT, raw=True)
     rows = verify.check_model(pair, prompt_ids, "p", SamplingParams(temperature=1.0), 200, seed=0, significance=0.01)
@@ -336,13 +470,30 @@ BROKEN = {
     "unexpected tensor": ("eagle", set_tensor("norm.weight", torch.ones(H)), "do not fit, norm.weight"),
     "bias": ("eagle", set_config(bias=False), "config says bias False"),
     "architecture": ("eagle", set_config(architectures=["MysteryDraftForCausalLM"]), "unknown architecture"),
+    "speculators algorithm": (
+        "speculators",
+        set_config(speculators_model_type="mlp_speculator"),
+        "a speculators mlp_speculator draft (vllm-project/speculators' layout); specdec reads its eagle3 and dflash",
+    ),
+    "speculators layer config": (
+        "speculators",
+        lambda config, weights: config.pop("transformer_layer_config"),
+        "(speculators layout): config.json has no transformer_layer_config",
+    ),
+    "fc_norm tensors": ("eagle3", set_config(fc_norm=True), "missing tensors fc_norm.0.weight"),
+    "fc_norm and norm_before_fc": (
+        "speculators",
+        set_config(fc_norm=True, norm_before_fc=True),
+        "fc_norm and norm_before_fc exclude each other",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", BROKEN)
 def test_a_bad_checkpoint_is_one_error_line(tmp_path, case):
     kind, breaking, message = BROKEN[case]
-    config, weights = eagle_checkpoint() if kind == "eagle" else eagle3_checkpoint()
+    layout = "speculators" if kind == "speculators" else "specforge"
+    config, weights = eagle_checkpoint() if kind == "eagle" else eagle3_checkpoint(layout=layout)
     breaking(config, weights)
     if case == "architecture":  # weights that no format recognises
         weights = {"w": torch.zeros(2)}

@@ -356,9 +356,9 @@ def load_eagle3(folder: DraftFolder, target: PreTrainedModel, dtype: torch.dtype
         )
     use_target_embedding(model, target, weights)
     renames = [
-        ("fc.", f"{TAPS}."),
-        ("fc_norm.", f"{TAPS}.fc_norm."),
+        ("fc_norm.", f"{TAPS}.fc_norm."),  # before `fc.`: names are mapped back first match too
         ("input_norm.", f"{TAPS}.input_norm."),
+        ("fc.", f"{TAPS}."),
         ("midlayer.", "model.layers.0."),
         ("layers.", "model.layers."),  # the speculators layout's name for the midlayer; vLLM reads further layers
         ("norm.", "model.norm."),
