@@ -16,11 +16,12 @@ from typer.testing import CliRunner
 
 from specdec_cli import verify
 from specdec_cli.cli import app
-from specdec_cli.config import load_config
+from specdec_cli.config import TinyModel, load_config
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.drafters.block import BlockDrafter
 from specdec_cli.drafters.medusa import MedusaDrafter
 from specdec_cli.errors import EXIT_BAD_INPUT
+from specdec_cli.models.checkpoints import build_tiny
 from specdec_cli.models.pair import load_pair
 
 runner = CliRunner()
@@ -30,6 +31,7 @@ SAMPLED = SamplingParams(temperature=1.0)
 # the std of Medusa's heads and the scale of DFlash's final norm: logits of std about 1.2, so drafts
 # are accepted now and then at T=1 and each position's q is its own (the broken variant fails)
 HEAD_STD, NORM = 0.15, 0.8
+DFLASH_DRAFT_VOCAB = 192  # of the 258 tokens: what a speculators DFlash draft scores
 PROMPTS = ["Hello there, how are you?", "H", "abc abc abc abc", "Once upon a time, in a land far away"]
 
 
@@ -93,9 +95,13 @@ def write_medusa_vllm(folder, vocab=258, width=64, layers=2, token_map: torch.Te
     return blocks, heads, token_map
 
 
-def write_dflash(folder, layers=1, qk_norm=False, head_dim=16, seed=2, **config_changes):
+def write_dflash(folder, layers=1, qk_norm=False, head_dim=16, seed=2, layout="z-lab", **config_changes):
     """z-lab's layout with the tiny target's (Llama) layers, or Qwen3's with q_norm / k_norm. Large
-    q/k weights make attention sharp, so the block's positions draft different tokens."""
+    q/k weights make attention sharp, so the block's positions draft different tokens. `layout`
+    "z-lab nested": `block_size` and `num_target_layers` in `dflash_config`, as newer z-lab configs
+    write them; "speculators": vllm-project/speculators' `DFlashSpeculator` (the layers' config in
+    `transformer_layer_config`, `aux_hidden_state_layer_ids` counting layer inputs, its own
+    embedding and a head over a draft vocabulary mapped by `d2t`)."""
     folder.mkdir()
     gen = torch.Generator().manual_seed(seed)
     width, heads, kv_heads, inner = 64, 4, 2, 128
@@ -138,12 +144,54 @@ def write_dflash(folder, layers=1, qk_norm=False, head_dim=16, seed=2, **config_
         "dflash_config": {"target_layer_ids": [0, 1], "mask_token_id": MASK},
         **config_changes,
     }
+    if layout == "z-lab nested":
+        config["dflash_config"] |= {"block_size": config.pop("block_size"), "num_target_layers": 2}
+        del config["num_target_layers"]
+    if layout == "speculators":
+        config, tensors = speculators_dflash(config, tensors, gen)
     save_file(tensors, folder / "model.safetensors")
     (folder / "config.json").write_text(json.dumps(config))
     return tensors, config
 
 
-WRITERS = {"medusa-pt": write_medusa_pt, "medusa-vllm": write_medusa_vllm, "dflash": write_dflash}
+def speculators_dflash(config: dict, tensors: dict, gen: torch.Generator) -> tuple[dict, dict]:
+    """The same draft as vllm-project/speculators saves it (speculators/models/dflash), with its own
+    embedding (the target's, perturbed) and, as speculators trains them, the target head's rows for
+    192 of the 258 tokens."""
+    target = build_tiny(TinyModel(**TARGET["tiny"]))
+    used = torch.randperm(258, generator=gen)[:DFLASH_DRAFT_VOCAB].sort().values
+    embedding = target.get_input_embeddings().weight.detach()
+    tensors = {
+        **tensors,
+        "embed_tokens.weight": embedding + randn(gen, *embedding.shape, std=0.3 * float(embedding.std())),
+        "lm_head.weight": target.get_output_embeddings().weight.detach()[used].clone(),
+        "d2t": used - torch.arange(DFLASH_DRAFT_VOCAB),
+        "t2d": torch.zeros(258, dtype=torch.bool).index_fill(0, used, True),
+    }
+    dflash = config.pop("dflash_config")
+    layer = {k: v for k, v in config.items() if k not in ("architectures", "block_size", "num_target_layers")}
+    return {
+        "architectures": ["DFlashSpeculator"],
+        "speculators_model_type": "dflash",
+        "speculators_version": "0.4.0",
+        "block_size": config["block_size"],
+        "mask_token_id": dflash["mask_token_id"],
+        "aux_hidden_state_layer_ids": [i + 1 for i in dflash["target_layer_ids"]],  # layer inputs
+        "draft_vocab_size": DFLASH_DRAFT_VOCAB,
+        "target_hidden_size": 64,
+        "sample_from_anchor": False,
+        "speculators_config": {"algorithm": "dflash", "verifier": {"name_or_path": "tiny-target"}},
+        "transformer_layer_config": layer,
+    }, tensors
+
+
+WRITERS = {
+    "medusa-pt": write_medusa_pt,
+    "medusa-vllm": write_medusa_vllm,
+    "dflash": write_dflash,
+    "dflash-nested": lambda folder: write_dflash(folder, layout="z-lab nested"),
+    "dflash-speculators": lambda folder: write_dflash(folder, qk_norm=True, head_dim=32, layout="speculators"),
+}
 
 
 def pair_of(write_config, folder, gamma=3, lookup=False):
@@ -162,7 +210,11 @@ def pair_of(write_config, folder, gamma=3, lookup=False):
 # ---------------------------------------------------------------- exactness
 
 
-@pytest.mark.parametrize("kind", ["medusa-pt", "medusa-vllm", "dflash", "medusa-vllm+lookup", "dflash+lookup"])
+@pytest.mark.parametrize(
+    "kind",
+    ["medusa-pt", "medusa-vllm", "dflash", "dflash-nested", "dflash-speculators", "medusa-vllm+lookup"]
+    + ["dflash+lookup"],
+)
 def test_greedy_output_is_the_targets(kind, tmp_path, write_config):
     WRITERS[kind.split("+")[0]](tmp_path / "draft")
     # gamma 5 > 3 heads / 3 block positions: a block drafts what the draft has, no more
@@ -187,7 +239,7 @@ def test_greedy_output_is_the_targets(kind, tmp_path, write_config):
     assert max(model_blocks) == 3
 
 
-@pytest.mark.parametrize("kind", ["medusa-pt", "medusa-vllm", "dflash"])
+@pytest.mark.parametrize("kind", ["medusa-pt", "medusa-vllm", "dflash", "dflash-nested", "dflash-speculators"])
 def test_sampled_output_is_the_targets(kind, tmp_path, write_config):
     WRITERS[kind](tmp_path / "draft")
     pair = pair_of(write_config, tmp_path / "draft")
@@ -285,26 +337,41 @@ def test_medusa_logits_are_the_heads_on_the_last_verified_state(layout, tmp_path
         assert torch.isinf(got[:, :, [i for i in range(258) if i not in set(token_map.tolist())]]).all()
 
 
-def dflash_reference(tensors: dict, config: dict, target, ids: list[int]) -> torch.Tensor:
-    """z-lab's forward for one row: context = all of `ids` but the last, the block = [its last, MASK...]."""
-    n, size, eps = len(ids) - 1, config["block_size"], config["rms_norm_eps"]
-    heads, kv_heads, dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
-    layer_ids = config["dflash_config"]["target_layer_ids"]
+def dflash_reference(tensors: dict, config: dict, target, ids: list[int], wrong: str = "") -> torch.Tensor:
+    """z-lab's forward for one row: context = all of `ids` but the last, the block = [its last, MASK...];
+    in the speculators layout (speculators/models/dflash/core.py) with the draft's own embedding and
+    its head's rows put at target ids i + d2t[i], -inf elsewhere. `wrong` names one deliberately
+    wrong reading (`DFLASH_WRONG_READINGS`)."""
+    speculators = "transformer_layer_config" in config
+    layer = config["transformer_layer_config"] if speculators else config
+    dflash = config.get("dflash_config", {})
+    n, eps = len(ids) - 1, layer["rms_norm_eps"]
+    size = config["block_size"] if speculators else dflash.get("block_size", config.get("block_size"))
+    mask_token = config["mask_token_id"] if speculators else dflash["mask_token_id"]
+    heads, kv_heads, dim = layer["num_attention_heads"], layer["num_key_value_heads"], layer["head_dim"]
+    # the states read: speculators' ids are layer inputs (hidden_states[id]); z-lab's layer outputs
+    states = config["aux_hidden_state_layer_ids"] if speculators else [i + 1 for i in dflash["target_layer_ids"]]
+    if wrong == "taps off by one":
+        states = [i - 1 for i in states]
+    own = "embed_tokens.weight" in tensors and wrong != "the target's embedding"
+    embedding = tensors["embed_tokens.weight"] if own else target.get_input_embeddings().weight
 
     def norm(x, weight):
         return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
     def rope(x, positions):  # x [n, heads, dim], rotate-half layout
-        angles = positions[:, None].float() / config["rope_theta"] ** (torch.arange(0, dim, 2).float() / dim)
+        if wrong == "no rope":
+            return x
+        angles = positions[:, None].float() / layer["rope_theta"] ** (torch.arange(0, dim, 2).float() / dim)
         cos, sin = angles.cos().repeat(1, 2)[:, None], angles.sin().repeat(1, 2)[:, None]
         return x * cos + torch.cat([-x[..., dim // 2 :], x[..., : dim // 2]], -1) * sin
 
-    # the target's layer outputs: hidden_states[id + 1]
-    taps = target_states(target, ids, [i + 1 for i in layer_ids])[:n]
+    taps = target_states(target, ids, states)[:n]
     context = norm(taps @ tensors["fc.weight"].T, tensors["hidden_norm.weight"])
-    x = target.get_input_embeddings().weight[[ids[-1]] + [config["dflash_config"]["mask_token_id"]] * (size - 1)]
+    x = embedding[[ids[-1]] + [mask_token] * (size - 1)]
     positions = torch.arange(n + size)
-    for i in range(config["num_hidden_layers"]):
+    causal = torch.ones(size, n + size, dtype=torch.bool).tril(n)  # the wrong reading's mask
+    for i in range(layer["num_hidden_layers"]):
         w = {k.removeprefix(f"layers.{i}."): v for k, v in tensors.items() if k.startswith(f"layers.{i}.")}
         h = norm(x, w["input_layernorm.weight"])
         both = torch.cat([context, h])  # keys and values: the context (no input norm) and the block
@@ -315,43 +382,88 @@ def dflash_reference(tensors: dict, config: dict, target, ids: list[int]) -> tor
             q, k = norm(q, w["self_attn.q_norm.weight"]), norm(k, w["self_attn.k_norm.weight"])
         q, k = rope(q, positions[n:]), rope(k, positions)
         k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
-        weights = (torch.einsum("qhd,khd->hqk", q, k) / dim**0.5).softmax(-1)  # no mask: not causal
-        x = x + torch.einsum("hqk,khd->qhd", weights, v).reshape(size, heads * dim) @ w["self_attn.o_proj.weight"].T
+        scores = torch.einsum("qhd,khd->hqk", q, k) / dim**0.5  # no mask: not causal
+        if wrong == "causal block":
+            scores = scores.masked_fill(~causal, float("-inf"))
+        x = (
+            x
+            + torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(size, heads * dim)
+            @ w["self_attn.o_proj.weight"].T
+        )
         h = norm(x, w["post_attention_layernorm.weight"])
         x = (
             x
             + (torch.nn.functional.silu(h @ w["mlp.gate_proj.weight"].T) * (h @ w["mlp.up_proj.weight"].T))
             @ w["mlp.down_proj.weight"].T
         )
-    return norm(x, tensors["norm.weight"])[1:] @ target.get_output_embeddings().weight.T
+    out = norm(x, tensors["norm.weight"])[1:]
+    if "lm_head.weight" not in tensors:
+        return out @ target.get_output_embeddings().weight.T
+    logits = torch.full((size - 1, target.get_output_embeddings().weight.shape[0]), float("-inf"))
+    d2t = tensors["d2t"]
+    logits[:, d2t if wrong == "d2t as ids" else torch.arange(len(d2t)) + d2t] = out @ tensors["lm_head.weight"].T
+    return logits
 
 
-@pytest.mark.parametrize("variant", ["llama", "qwen3"])
-def test_dflash_logits_are_the_blocks_forward(variant, tmp_path, write_config):
-    qwen3 = variant == "qwen3"
-    tensors, config = write_dflash(tmp_path / "draft", layers=2, qk_norm=qwen3, head_dim=32 if qwen3 else 16)
-    pair = pair_of(write_config, tmp_path / "draft")
+def dflash_two_blocks(pair) -> list[tuple[torch.Tensor, list[list[int]]]]:
+    """The loaded draft's logits for three rows at two blocks, and each row's tokens so far: the
+    prompts, then (after a block whose drafts were accepted in part) the context grown by the
+    block's first token and the accepted drafts, the next block starting with the target's token."""
     drafter, target = pair.drafter, pair.target.model
-    assert pair.target.state_layers == (1, 2)  # outputs of layers 0 and 1
+    states = pair.target.state_layers
     prompts = [pair.encode(p, raw=True) for p in (PROMPTS[0], PROMPTS[3], "H")]
-    drafter.start(prompts, 64, padded([target_states(target, p, (1, 2))[:-1] for p in prompts]))
-    got = drafter.logits()
+    drafter.start(prompts, 64, padded([target_states(target, p, states)[:-1] for p in prompts]))
+    blocks = [(drafter.logits(), prompts)]
+    drafts, accepted, next_tokens = [[70, 71, 72]] * 3, [2, 0, 3], [80, 81, 82]
+    grown = [p + d for p, d in zip(prompts, drafts)]
+    block_states = padded([target_states(target, g, states)[len(p) - 1 :] for p, g in zip(prompts, grown)])
+    drafter.commit(drafts, accepted, next_tokens, block_states)  # the accepted drafts' K/V come from the store
+    contexts = [p + d[:a] + [t] for p, d, a, t in zip(prompts, drafts, accepted, next_tokens)]
+    return blocks + [(drafter.logits(), contexts)]
+
+
+DFLASH_LAYOUTS = {  # name: (writer arguments, the hidden states it reads)
+    "llama": ({"layers": 2}, (1, 2)),  # outputs of layers 0 and 1
+    "qwen3": ({"layers": 2, "qk_norm": True, "head_dim": 32}, (1, 2)),
+    "qwen3 nested": ({"layers": 2, "qk_norm": True, "head_dim": 32, "layout": "z-lab nested"}, (1, 2)),
+    "speculators": ({"layers": 2, "qk_norm": True, "head_dim": 32, "layout": "speculators"}, (1, 2)),
+}
+DFLASH_WRONG_READINGS = {
+    "llama": ["no rope", "causal block"],
+    "speculators": ["taps off by one", "d2t as ids", "the target's embedding", "causal block"],
+}
+
+
+def dflash_layout(name: str, tmp_path, write_config):
+    arguments, states = DFLASH_LAYOUTS[name]
+    tensors, config = write_dflash(tmp_path / "draft", **arguments)
+    pair = pair_of(write_config, tmp_path / "draft")
+    assert pair.target.state_layers == states
     with torch.no_grad():
-        for row, p in enumerate(prompts):
-            expected = dflash_reference(tensors, config, target, p)
-            torch.testing.assert_close(got[row], expected, atol=1e-4, rtol=1e-4)
-        # after a block: the context grew by the block's first token and the accepted drafts (their K/V
-        # come from the store, computed once), the next block starts with the target's token
-        drafts, accepted, next_tokens = [[70, 71, 72]] * 3, [2, 0, 3], [80, 81, 82]
-        grown = [p + d for p, d in zip(prompts, drafts)]
-        block_states = padded([target_states(target, g, (1, 2))[len(p) - 1 :] for p, g in zip(prompts, grown)])
-        drafter.commit(drafts, accepted, next_tokens, block_states)
-        got = drafter.logits()
-        for row, (p, a, t) in enumerate(zip(prompts, accepted, next_tokens)):
-            context = p + drafts[row][:a] + [t]
-            expected = dflash_reference(tensors, config, target, context)
-            torch.testing.assert_close(got[row], expected, atol=1e-4, rtol=1e-4)
+        return tensors, config, pair.target.model, dflash_two_blocks(pair)
+
+
+@pytest.mark.parametrize("layout", DFLASH_LAYOUTS)
+def test_dflash_logits_are_the_blocks_forward(layout, tmp_path, write_config):
+    tensors, config, target, blocks = dflash_layout(layout, tmp_path, write_config)
+    with torch.no_grad():
+        for got, contexts in blocks:
+            for row, context in enumerate(contexts):
+                expected = dflash_reference(tensors, config, target, context)
+                torch.testing.assert_close(got[row], expected, atol=1e-4, rtol=1e-4)
     assert (got[:, 0].argmax(-1) != got[:, 1].argmax(-1)).any()  # positions draft different tokens
+
+
+@pytest.mark.parametrize("layout, wrong", [(k, w) for k, ws in DFLASH_WRONG_READINGS.items() for w in ws])
+def test_the_blocks_comparison_catches_a_wrong_reading(layout, wrong, tmp_path, write_config):
+    tensors, config, target, blocks = dflash_layout(layout, tmp_path, write_config)
+    with torch.no_grad():
+        misread = [
+            torch.allclose(got[row], dflash_reference(tensors, config, target, context, wrong), atol=1e-4, rtol=1e-4)
+            for got, contexts in blocks
+            for row, context in enumerate(contexts)
+        ]
+    assert not all(misread)
 
 
 # ---------------------------------------------------------------- checkpoints that do not fit
@@ -372,6 +484,16 @@ def drop_tensor(folder, name):
     tensors = load_file(folder / "model.safetensors")
     del tensors[name]
     save_file(tensors, folder / "model.safetensors")
+
+
+def edit_config(folder, **changes):
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in (config | changes).items() if v is not None}))
+
+
+def speculators_draft(folder, **changes):
+    write_dflash(folder, qk_norm=True, head_dim=32, layout="speculators")
+    edit_config(folder, **changes)
 
 
 BAD = {
@@ -396,6 +518,22 @@ BAD = {
     "dflash missing tensor": (
         lambda f: (write_dflash(f), drop_tensor(f, "layers.0.mlp.up_proj.weight")),
         "missing ['layers.0.mlp.up_proj.weight']",
+    ),
+    "dflash speculators anchor": (
+        lambda f: speculators_draft(f, sample_from_anchor=True),
+        "sample_from_anchor (drafting the anchor position too) is not supported",
+    ),
+    "dflash speculators mask token": (
+        lambda f: speculators_draft(f, mask_token_id=None),
+        "config needs transformer_layer_config, aux_hidden_state_layer_ids and mask_token_id",
+    ),
+    "dflash speculators head": (
+        lambda f: (speculators_draft(f), drop_tensor(f, "lm_head.weight")),
+        f"missing tensors lm_head.weight (for its draft vocabulary of {DFLASH_DRAFT_VOCAB} tokens)",
+    ),
+    "dflash speculators d2t": (
+        lambda f: (speculators_draft(f), drop_tensor(f, "d2t")),
+        "missing tensors d2t",
     ),
     "dflash taps": (
         lambda f: write_dflash(f, dflash_config={"target_layer_ids": [1], "mask_token_id": MASK}),  # fc reads 2
