@@ -78,6 +78,11 @@ class DraftFormat(str, Enum):
     eagle3 = "eagle3"
 
 
+class Eagle3Layout(str, Enum):
+    specforge = "specforge"
+    speculators = "speculators"
+
+
 @app.command(
     epilog="""Examples:\n
   specdec generate --prompt "Summarize: ..."\n
@@ -388,6 +393,7 @@ def verify_distribution(
   specdec distill -c configs/my-target.yaml --out drafts/x --prompts prompts.txt --training-steps 500 --layers 2\n
   specdec distill --out drafts/y --target-layers=-1 --keep-work   # read only the target's last state\n
   specdec distill --out drafts/eagle3 --format eagle3\n
+  specdec distill --out drafts/eagle3-speculators --format eagle3 --layout speculators\n
   specdec distill --out drafts/z --answers drafts/my-draft/corpus.jsonl.gz --layers 2   # reuse a corpus"""
 )
 @reports_errors
@@ -415,6 +421,14 @@ def distill(
             "3 target layers, its own head rows).",
         ),
     ] = DraftFormat.specdec,
+    layout: Annotated[
+        Eagle3Layout,
+        typer.Option(
+            help="With --format eagle3, the files it is saved as: specforge (midlayer.*, a flat config: "
+            "SpecForge, SGLang, vLLM) or speculators (vllm-project/speculators' Eagle3Speculator, as "
+            "RedHatAI publishes drafts: vLLM).",
+        ),
+    ] = Eagle3Layout.specforge,
     target_layers: Annotated[
         Optional[str],
         typer.Option(
@@ -520,6 +534,7 @@ def distill(
         eval_every=eval_every,
         seed=cfg.sampling.seed,
         format=draft_format.value,
+        layout=layout.value,
     )
     distillation.distill(cfg, texts, settings, out, keep_work, answers)
 

@@ -26,6 +26,7 @@ from specdec_cli.distill.corpus import add_target_features, build_corpus
 from specdec_cli.distill.train import evaluate
 from specdec_cli.drafters.feature import FeatureDrafter
 from specdec_cli.errors import EXIT_BAD_INPUT
+from specdec_cli.models import eagle3_draft
 from specdec_cli.models.checkpoints import build_tiny, byte_tokenizer
 from specdec_cli.models.draft_folder import DraftFolder
 from specdec_cli.models.eagle3_draft import INFO
@@ -121,6 +122,45 @@ def test_the_folder_is_in_eagle3_layout(exported):
     assert not (exported.out / DRAFT_INFO).exists() and exported.info["format"] == "eagle3"
     folder = DraftFolder(exported.out, config)
     assert recognise(folder) == "eagle3"
+
+
+def test_the_speculators_layout_holds_the_same_draft(exported, tmp_path, capsys):
+    """`--layout speculators`: vllm-project/speculators' Eagle3Speculator files (the layer's config
+    nested, `layers.0.*`, norm_before_residual written out), loaded back as the same draft."""
+    target = build_tiny(TinyModel(seed=0, num_layers=LAYERS))
+    out = tmp_path / "speculators"
+    eagle3_draft.save_eagle3(exported.draft, target, out, exported.info, "speculators")
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3" and "model_type" not in config
+    assert config["norm_before_residual"] is False and config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert config["speculators_config"]["verifier"]["name_or_path"] == exported.info["target"]
+    layer = config["transformer_layer_config"]
+    assert layer["model_type"] == "llama" and layer["num_hidden_layers"] == 1 and "draft_vocab_size" not in layer
+    with safe_open(out / "model.safetensors", framework="pt") as f:
+        names = set(f.keys())
+    with safe_open(exported.out / "model.safetensors", framework="pt") as f:
+        assert names == {n.replace("midlayer.", "layers.0.") for n in f.keys()}
+    assert recognise(DraftFolder(out, config)) == "eagle3"
+
+    pairs = []
+    for folder in (exported.out, out):
+        pair_config = yaml.safe_load(exported.pair_config.read_text())
+        pair_config["draft"]["checkpoint"] = str(folder)
+        pairs.append(load_pair(load_config(str(write_yaml(tmp_path / "pair.yaml", pair_config)))))
+    ids = pairs[0].encode("The quick brown fox jumps")
+    with torch.no_grad():
+        (first, q_first), (second, q_second) = (drafts(p, ids, SamplingParams(temperature=1.0)) for p in pairs)
+    assert first == second and torch.equal(q_first, q_second)
+
+
+def test_a_layout_is_for_eagle3_drafts(tmp_path):
+    config = write_yaml(tmp_path / "target.yaml", {"name": "tiny", "target": TARGET, "draft": {"ngram": {}}})
+    run = runner.invoke(app, ["distill", "-c", str(config), "--out", str(tmp_path / "d"), "--layout", "speculators"])
+    assert run.exit_code == EXIT_BAD_INPUT
+    [error] = [line for line in run.stderr.splitlines() if line.startswith("Error:")]
+    assert error == "Error: --layout speculators: EAGLE-3 drafts (--format eagle3) are saved as specforge, speculators"
+    assert not (tmp_path / "d").exists()
 
 
 def test_every_trained_position_improves(exported):

@@ -344,9 +344,10 @@ def test_generate_in_vllm_gives_specdecs_greedy_tokens(files):
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not has_vllm(), reason="vLLM is not set up: specdec setup-vllm")
-def test_an_eagle3_export_drafts_in_vllm_with_specdecs_greedy_tokens(files, tmp_path):
-    """`specdec distill --format eagle3` writes a draft vLLM loads as its eagle3 method: a change to the
-    export that vLLM cannot read fails here."""
+@pytest.mark.parametrize("layout", ["specforge", "speculators"])
+def test_an_eagle3_export_drafts_in_vllm_with_specdecs_greedy_tokens(layout, files, tmp_path):
+    """`specdec distill --format eagle3` writes a draft vLLM loads as its eagle3 method, in either
+    layout: a change to the export that vLLM cannot read fails here."""
     target = {**VLLM_TINY["target"]["tiny"], "num_layers": 4}  # EAGLE-3 reads 3 distinct layer inputs
     config = tmp_path / "target.yaml"
     config.write_text(yaml.safe_dump({"name": "t", "target": {"tiny": target}, "draft": {"ngram": {}}}))
@@ -356,7 +357,7 @@ def test_an_eagle3_export_drafts_in_vllm_with_specdecs_greedy_tokens(files, tmp_
     distilled = runner.invoke(
         app,
         ["distill", "-c", str(config), "--out", str(out), "--prompts", str(files[1]), "--format", "eagle3"]
-        + ["--target-layers", "3,1,2", "--dtype", "float32", *options.split()],
+        + ["--layout", layout, "--target-layers", "3,1,2", "--dtype", "float32", *options.split()],
     )
     assert distilled.exit_code == 0, distilled.output
     pair = tmp_path / "pair.yaml"

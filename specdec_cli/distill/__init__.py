@@ -40,7 +40,7 @@ import torch
 from specdec_cli import display, records
 from specdec_cli.config import Config
 from specdec_cli.distill.corpus import ANSWERS, build_corpus, label_answers, read_answers, write_answers
-from specdec_cli.distill.settings import FORMATS, DistillSettings, read_layers
+from specdec_cli.distill.settings import EAGLE3_LAYOUTS, FORMATS, DistillSettings, read_layers
 from specdec_cli.distill.state import WORK, save
 from specdec_cli.distill.train import train
 from specdec_cli.errors import SpecdecError
@@ -58,6 +58,11 @@ def distill(
 ) -> None:
     """The whole command: corpus (written by the target, or `answers` it labels), training, the saved
     draft and its record."""
+    if settings.format not in FORMATS:
+        raise SpecdecError(f"unknown draft format {settings.format!r} (specdec distills {', '.join(FORMATS)})")
+    if settings.layout not in EAGLE3_LAYOUTS or (settings.layout != "specforge" and settings.format != "eagle3"):
+        layouts = ", ".join(EAGLE3_LAYOUTS)
+        raise SpecdecError(f"--layout {settings.layout}: EAGLE-3 drafts (--format eagle3) are saved as {layouts}")
     if cfg.runtime.threads:
         torch.set_num_threads(cfg.runtime.threads)
     device = resolve_device(cfg.runtime.device)
@@ -67,8 +72,6 @@ def distill(
     with display.stderr.status(f"Loading {cfg.target.describe()}..."):
         target, tokenizer = load_model(cfg.target, device, dtype)
     check_target_layers(read_layers(settings, target), target.config)  # before an hour of corpus
-    if settings.format not in FORMATS:
-        raise SpecdecError(f"unknown draft format {settings.format!r} (specdec distills {', '.join(FORMATS)})")
     if settings.format == "eagle3":
         eagle3_draft.check_taps(read_layers(settings, target), target.config.num_hidden_layers, settings.num_layers)
     starting_layers(target.config, settings.num_layers, settings.init_layers)

@@ -9,6 +9,7 @@ from transformers import PreTrainedModel
 from specdec_cli.models.eagle import eagle3_layers
 
 FORMATS = ("specdec", "eagle3")  # the draft specdec trains, or EAGLE-3's (models/eagle3_draft.py)
+EAGLE3_LAYOUTS = ("specforge", "speculators")  # the files an EAGLE-3 draft is saved as (models/eagle3_draft.py)
 
 
 @dataclass
@@ -33,6 +34,7 @@ class DistillSettings:
     heldout_prompts: float = 0.1  # of the given prompts: their answers are never trained on
     seed: int = 0
     format: str = "specdec"  # or "eagle3": EAGLE-3's architecture, saved in its layout
+    layout: str = "specforge"  # an EAGLE-3 draft's files: SpecForge's, or vllm-project/speculators'
 
 
 def read_layers(settings: DistillSettings, target: PreTrainedModel) -> tuple[int, ...]:

@@ -140,6 +140,6 @@ def save(
         "log": log,
     }
     if eagle3:
-        eagle3_draft.save_eagle3(draft, target, out, info)
+        eagle3_draft.save_eagle3(draft, target, out, info, settings.layout)
     else:
         save_draft(draft, tokenizer, out, info)

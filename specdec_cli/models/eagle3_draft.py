@@ -19,6 +19,16 @@ engines load (models/eagle.py loads it back the same way):
 - `INFO`: specdec's record of how it was distilled, not `DRAFT_INFO`, whose presence makes a folder
   a specdec draft.
 
+Layout "speculators" (`--layout speculators`): the same draft as vllm-project/speculators saves an
+`Eagle3Speculator`, the layout RedHatAI publishes EAGLE-3 drafts in and vLLM reads without a
+`--speculative-config` method of its own: the layer's model config in `transformer_layer_config`, at
+the top `speculators_model_type`, `draft_vocab_size`, `target_hidden_size`, the norms' switches
+(`norm_before_residual` written out: vLLM takes an absent one as true) and
+`eagle_aux_hidden_state_layer_ids` (layer inputs), and `speculators_config` (proposal method,
+verifier); no top-level `model_type` (vLLM reads a config with one as a plain model). Tensors as
+above with `layers.0.` for `midlayer.` (speculators/models/eagle3; vLLM's
+transformers_utils/configs/speculators).
+
 Layout as read in SpecForge (`specforge/modeling/draft/llama3_eagle.py`, `export/to_sglang.py`,
 `algorithms/model_providers.py`), SGLang (`srt/models/llama_eagle3.py`, its model runner) and
 vLLM (`model_executor/models/llama_eagle3.py`, `eagle3_utils.py`).
@@ -163,11 +173,37 @@ def eagle3_weights(draft: PreTrainedModel) -> dict[str, torch.Tensor]:
     return weights
 
 
-def save_eagle3(draft: PreTrainedModel, target: PreTrainedModel, out: Path, info: dict) -> None:
-    """config.json, model.safetensors and `INFO`; no tokenizer (EAGLE-3 drafts use the target's)."""
+def speculators_config(config: dict, target: PreTrainedModel, target_name: str) -> dict:
+    """`eagle3_config` as vllm-project/speculators writes an `Eagle3SpeculatorConfig`."""
+    top = ("draft_vocab_size", "target_hidden_size", "norm_before_residual", "eagle_aux_hidden_state_layer_ids")
+    layer = {k: v for k, v in config.items() if k not in (*top, "architectures", "eagle_config")}
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        **{k: config[k] for k in top},
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+            "verifier": {"name_or_path": target_name, "architectures": list(target.config.architectures or [])},
+        },
+        "transformer_layer_config": layer,
+    }
+
+
+def save_eagle3(draft: PreTrainedModel, target: PreTrainedModel, out: Path, info: dict, layout: str) -> None:
+    """config.json, model.safetensors and `INFO` in `layout` (specforge or speculators); no tokenizer
+    (EAGLE-3 drafts use the target's)."""
     out.mkdir(parents=True, exist_ok=True)
     config = eagle3_config(target, tuple(getattr(draft.config, TARGET_LAYERS)), len(draft.lm_head.token_ids))
+    weights = eagle3_weights(draft)
+    if layout == "speculators":
+        config = speculators_config(config, target, info["target"])
+        weights = {k.replace("midlayer.", "layers.0.", 1): v for k, v in weights.items()}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(eagle3_weights(draft), out / "model.safetensors", metadata={"format": "pt"})
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
     (out / DRAFT_INFO).unlink(missing_ok=True)  # a specdec draft saved here before would be read instead
     (out / INFO).write_text(json.dumps(info, indent=2) + "\n")
