@@ -72,21 +72,55 @@ class LookupSettings(NgramSettings):
 
 
 @dataclass
+class SuffixSettings:
+    """Suffix decoding (drafters/suffix.py), its settings named as vLLM names its suffix_decoding_*
+    ones. Alone, or ahead of a draft model as `lookup` is: then its blocks are up to
+    `num_draft_tokens` long (None: the model's)."""
+
+    max_tree_depth: int = 24  # longest substring counted; matches are shorter
+    max_cached_requests: int = 10000  # earlier requests' answers drafted from (0: none, this request only)
+    max_spec_factor: float = 1.0  # draft tokens per matched token
+    max_spec_offset: float = 0.0  # draft tokens beyond that
+    min_token_prob: float = 0.1  # drafts stop where a token's estimated probability falls below this
+    num_draft_tokens: int | None = None
+
+
+@dataclass
+class RecyclingSettings:
+    """Token recycling (drafters/recycling.py): `candidates` next tokens kept per token."""
+
+    candidates: int = 8
+
+
+@dataclass
 class DraftSpec(ModelSpec):
-    """A draft model (as a ModelSpec) or an n-gram drafter; a draft model with `lookup` drafts by
-    prompt lookup where the context's last n-gram occurred before, and with the model elsewhere."""
+    """A draft model (as a ModelSpec), or a drafter without one: n-gram lookup, suffix decoding or
+    token recycling. A draft model with `lookup` (or `suffix`) drafts by prompt lookup (suffix
+    decoding) where that finds a continuation, and with the model elsewhere."""
 
     ngram: NgramSettings | None = None
     lookup: LookupSettings | None = None
+    suffix: SuffixSettings | None = None
+    recycling: RecyclingSettings | None = None
+
+    @property
+    def has_model(self) -> bool:
+        return self.checkpoint is not None or self.tiny is not None
 
     def describe(self) -> str:
         if self.ngram:
             return f"ngram(n={self.ngram.min_n}..{self.ngram.max_n})"
-        lookup = self.lookup
-        if not lookup:
+        if self.recycling:
+            return f"recycling(candidates={self.recycling.candidates})"
+        suffix = self.suffix and f"suffix(depth={self.suffix.max_tree_depth})"
+        if suffix and not self.has_model:
+            return suffix
+        ahead = self.lookup or self.suffix
+        if not ahead:
             return super().describe()
-        length = "" if lookup.num_draft_tokens is None else f", up to {lookup.num_draft_tokens} tokens"
-        return super().describe() + f" after lookup(n={lookup.min_n}..{lookup.max_n}{length})"
+        length = "" if ahead.num_draft_tokens is None else f", up to {ahead.num_draft_tokens} tokens"
+        first = suffix[:-1] if suffix else f"lookup(n={self.lookup.min_n}..{self.lookup.max_n}"
+        return super().describe() + f" after {first}{length})"
 
 
 @dataclass
@@ -197,9 +231,10 @@ class Config:
         and prompt lookup's."""
         if self.speculation.tree:
             return self.speculation.tree.describe()
-        threshold, lookup = self.speculation.confidence_threshold, self.draft.lookup
+        threshold, lookup = self.speculation.confidence_threshold, self.draft.lookup or self.draft.suffix
         fewer = f" (fewer below confidence {threshold:g})" if threshold else ""
-        by_lookup = f", up to {lookup.num_draft_tokens} by prompt lookup" if lookup and lookup.num_draft_tokens else ""
+        by = "prompt lookup" if self.draft.lookup else "suffix decoding"
+        by_lookup = f", up to {lookup.num_draft_tokens} by {by}" if lookup and lookup.num_draft_tokens else ""
         return f"{self.speculation.num_draft_tokens} draft tokens{fewer}{by_lookup}"
 
     def describe_verification(self) -> str:
@@ -343,10 +378,11 @@ def validate(config: Config) -> None:
         raise SpecdecError(f"top_p must be in (0, 1], got {s.top_p}")
     if s.top_k < 0:
         raise SpecdecError(f"top_k must be >= 0 (0 disables it), got {s.top_k}")
-    lookup_tokens = config.draft.lookup.num_draft_tokens if config.draft.lookup else None
+    draft = config.draft
     for name, tokens in (
         ("num_draft_tokens", config.speculation.num_draft_tokens),
-        ("lookup num_draft_tokens", lookup_tokens),
+        ("lookup num_draft_tokens", draft.lookup.num_draft_tokens if draft.lookup else None),
+        ("suffix num_draft_tokens", draft.suffix.num_draft_tokens if draft.suffix else None),
     ):
         if tokens is not None and not 1 <= tokens <= MAX_DRAFT_TOKENS:
             raise SpecdecError(f"{name} must be between 1 and {MAX_DRAFT_TOKENS}, got {tokens}")
@@ -374,8 +410,12 @@ def validate(config: Config) -> None:
         if getattr(r, name) < 1:
             raise SpecdecError(f"runtime.{name} must be >= 1, got {getattr(r, name)}")
     for role, spec in (("target", config.target), ("draft", config.draft)):
-        sources = [s for s in ("checkpoint", "tiny", "ngram") if getattr(spec, s, None) is not None]
-        allowed = "`checkpoint`, `tiny` or `ngram`" if role == "draft" else "`checkpoint` or `tiny`"
+        sources = [s for s in ("checkpoint", "tiny", "ngram", "recycling") if getattr(spec, s, None) is not None]
+        allowed = (
+            "`checkpoint`, `tiny`, `ngram`, `suffix` or `recycling`" if role == "draft" else "`checkpoint` or `tiny`"
+        )
+        if role == "draft" and spec.suffix is not None and not sources:
+            sources = ["suffix"]  # suffix decoding alone
         if len(sources) != 1:
             raise SpecdecError(f"config: `{role}` needs exactly one of {allowed}, got {sources or 'none'}")
         if spec.checkpoint is not None and not spec.checkpoint.strip():
@@ -386,9 +426,41 @@ def validate(config: Config) -> None:
         sizes = getattr(config.draft, name)
         if sizes and not 1 <= sizes.min_n <= sizes.max_n:
             raise SpecdecError(f"{name} sizes need 1 <= min_n <= max_n, got {sizes.min_n}..{sizes.max_n}")
-    if config.draft.lookup and config.draft.ngram:
-        raise SpecdecError("config: `draft.lookup` goes with a draft model; an `ngram` drafter looks up already")
+    if draft.lookup and not draft.has_model:
+        raise SpecdecError("config: `draft.lookup` goes with a draft model (`checkpoint` or `tiny`)")
+    if draft.suffix and draft.lookup:
+        raise SpecdecError("config: one drafter ahead of a draft model: `draft.suffix` or `draft.lookup`")
+    if draft.suffix and not draft.has_model and (draft.ngram or draft.recycling):
+        raise SpecdecError(
+            "config: `draft.suffix` drafts alone or ahead of a draft model, not with `ngram` or `recycling`"
+        )
+    check_suffix(draft.suffix)
+    if draft.recycling and draft.recycling.candidates < 1:
+        raise SpecdecError(f"recycling candidates must be >= 1, got {draft.recycling.candidates}")
+    tree = config.speculation.tree
+    if draft.recycling and tree and tree.top_k > draft.recycling.candidates:
+        raise SpecdecError(
+            f"a token recycling tree takes its children from the {draft.recycling.candidates} candidates "
+            f"kept per token: tree top_k {tree.top_k} is more"
+        )
     check_ints(config)  # the settings no check above bounds
+
+
+def check_suffix(suffix: SuffixSettings | None) -> None:
+    if suffix is None:
+        return
+    if suffix.max_tree_depth < 2:
+        raise SpecdecError(
+            f"suffix max_tree_depth must be >= 2 (a match and a token after it), got {suffix.max_tree_depth}"
+        )
+    if suffix.max_cached_requests < 0:
+        raise SpecdecError(f"suffix max_cached_requests must be >= 0 (0: none), got {suffix.max_cached_requests}")
+    if not (math.isfinite(suffix.max_spec_factor) and suffix.max_spec_factor >= 0):
+        raise SpecdecError(f"suffix max_spec_factor must be a finite number >= 0, got {suffix.max_spec_factor}")
+    if not math.isfinite(suffix.max_spec_offset):
+        raise SpecdecError(f"suffix max_spec_offset must be a finite number, got {suffix.max_spec_offset}")
+    if not 0 <= suffix.min_token_prob <= 1:
+        raise SpecdecError(f"suffix min_token_prob must be in [0, 1], got {suffix.min_token_prob}")
 
 
 def check_ints(settings: Any, where: str = "") -> None:

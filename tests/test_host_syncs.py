@@ -93,15 +93,21 @@ class HostReads(TorchFunctionMode):
 
 def pair_of(tmp_path, write_config, kind: str, threshold: float = 0.0, device: str = "cpu"):
     """A pair whose drafter is `kind`, on the tiny target (8 layers: EAGLE-3's taps differ); a kind
-    with "+lookup" drafts after prompt lookup, and one ending in "+tree" drafts trees."""
+    with "+lookup" ("+suffix") drafts after prompt lookup (suffix decoding), and one ending in "+tree"
+    drafts trees."""
     base = kind.split("+")[0]
     target = {"tiny": {"seed": 0, "num_layers": 2 if base == "dflash" else 8}}  # the DFlash draft reads 2
     lookup = {"lookup": {"max_n": 3, "min_n": 1, "num_draft_tokens": 4}} if "+lookup" in kind else {}
+    lookup = {"suffix": {"num_draft_tokens": 4}} if "+suffix" in kind else lookup
     tree = {"depth": 3, "top_k": 2, "max_nodes": 6} if kind.endswith("+tree") else None
     if base == "model":
         draft = {"tiny": {"seed": 0, "num_layers": 8, "noise": 0.01}}
     elif base == "ngram":
         draft = {"ngram": {"max_n": 3, "min_n": 1}}
+    elif base == "suffix":
+        draft = {"suffix": {}}
+    elif base == "recycling":
+        draft = {"recycling": {}}
     elif base == "feature":
         draft = {"checkpoint": str(feature_draft_folder(tmp_path))}
     elif base == "eagle3":
@@ -156,6 +162,11 @@ KINDS = [
     "dflash+tree",
     "ngram+tree",
     "feature+lookup+tree",
+    "suffix",
+    "suffix+tree",
+    "model+suffix",
+    "recycling",
+    "recycling+tree",
 ]
 
 

@@ -18,7 +18,15 @@ from typer.testing import CliRunner
 from specdec_cli.bench.report import category_report
 from specdec_cli.bench.vllm_peer import CPU_BUILD_SAMPLING
 from specdec_cli.cli import app
-from specdec_cli.config import cache_dir, load_config, parse_config
+from specdec_cli.config import (
+    DraftSpec,
+    RecyclingSettings,
+    SuffixSettings,
+    TinyModel,
+    cache_dir,
+    load_config,
+    parse_config,
+)
 from specdec_cli.decoding.metrics import acceptance_by_position, mean_accepted_length
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.errors import SpecdecError
@@ -194,6 +202,19 @@ def test_the_configs_drafts_in_vllm(tmp_path, monkeypatch):
         speculative_config(load_config("smollm2-draft-only").draft, 2)
     with pytest.raises(SpecdecError, match="vLLM has no equivalent of prompt lookup ahead of a draft model"):
         speculative_config(load_config("smollm2-draft").draft, 2)
+    suffix = DraftSpec(suffix=SuffixSettings(max_tree_depth=16, max_spec_factor=2.0))
+    assert speculative_config(suffix, 8) == {
+        "method": "suffix",
+        "num_speculative_tokens": 8,
+        "suffix_decoding_max_tree_depth": 16,
+        "suffix_decoding_max_cached_requests": 10000,
+        "suffix_decoding_max_spec_factor": 2.0,
+        "suffix_decoding_min_token_prob": 0.1,
+    }
+    with pytest.raises(SpecdecError, match="no equivalent of suffix decoding ahead of a draft model"):
+        speculative_config(DraftSpec(tiny=TinyModel(), suffix=SuffixSettings()), 2)
+    with pytest.raises(SpecdecError, match="vLLM has no token recycling"):
+        speculative_config(DraftSpec(recycling=RecyclingSettings()), 2)
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "dflash"])

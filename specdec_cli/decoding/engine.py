@@ -196,6 +196,8 @@ class SpeculativeDecoder:
         self.eos_token_ids = eos_token_ids
         self.verification = verification
         self.clock = Clock(target.device)
+        # a drafter that learns from the verifications' logits (token recycling's table) reads them here
+        self.observe = getattr(drafter, "observe", None)
 
     def generate(
         self,
@@ -305,6 +307,8 @@ class SpeculativeDecoder:
         )
         draft_end = self.clock.mark()
         verified = self.target.forward(torch.cat([last_token, drafts.clamp_min(0)], dim=1), hidden=wants_states)
+        if self.observe is not None:  # after the block's drafts are fixed: it shapes only later blocks
+            self.observe(torch.cat([last_token, drafts], dim=1), verified.logits)
         if self.params.greedy:
             num_accepted, next_token = verify_greedy(drafts, verified.logits)
         else:
@@ -326,6 +330,8 @@ class SpeculativeDecoder:
         draft_end = self.clock.mark()
         region = trees.target_region(tree, start)
         verified = self.target.forward(torch.cat([last_token, tree.tokens], dim=1), region=region, hidden=wants_states)
+        if self.observe is not None:
+            self.observe(torch.cat([last_token, tree.tokens.masked_fill(tree.parents < 0, -1)], dim=1), verified.logits)
         if self.params.greedy:
             num_accepted, next_token, path = trees.verify_greedy(tree, verified.logits)
         else:

@@ -6,7 +6,9 @@ A draft id of -1 marks a position a row did not draft (prompt lookup found less 
 all zeros, so the acceptance test rejects it, and the target's own token takes its place.
 `keep(rows)` drops the rows that finished. A drafter that can draft after prompt lookup
 (drafters/lookup.py) is a `Follower`: it also reads blocks that lookup drafted. A drafter that drafts
-trees (decoding/tree.py) also has `propose_tree` and `commit_tree`.
+trees (decoding/tree.py) also has `propose_tree` and `commit_tree`. A drafter with
+`observe(inputs, logits)` is handed every verification's input tokens [B, n] (-1: no token) and the
+target's logits after each [B, n, V], once the block's drafts are fixed (drafters/recycling.py).
 """
 
 from __future__ import annotations

@@ -21,13 +21,13 @@ from specdec_cli.config import TreeShape
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.decoding.tree import DraftTree
 from specdec_cli.drafters.base import Drafts, Follower, Rows, States
-from specdec_cli.drafters.ngram import NgramDrafter
+from specdec_cli.drafters.context import ContextDrafter
 
 
 class LookupFirstDrafter:
     def __init__(
         self,
-        lookup: NgramDrafter,
+        lookup: ContextDrafter,  # prompt lookup (ngram.py) or suffix decoding (suffix.py)
         model: Follower,
         lookup_tokens: int | None = None,
         model_tokens: int | None = None,

@@ -16,10 +16,13 @@ from specdec_cli.decoding.cache import CachedModel
 from specdec_cli.decoding.engine import SpeculativeDecoder
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.drafters.base import Drafter
+from specdec_cli.drafters.context import ContextDrafter
 from specdec_cli.drafters.feature import FeatureDrafter
 from specdec_cli.drafters.lookup import LookupFirstDrafter
 from specdec_cli.drafters.model import ModelDrafter
 from specdec_cli.drafters.ngram import NgramDrafter
+from specdec_cli.drafters.recycling import RecyclingDrafter
+from specdec_cli.drafters.suffix import SuffixDrafter
 from specdec_cli.errors import SpecdecError
 from specdec_cli.models import decode_matmul
 from specdec_cli.models.checkpoints import load_model
@@ -58,11 +61,13 @@ class Pair:
     config: Config
     tokenizer: PreTrainedTokenizerBase
     target: CachedModel
-    drafter: Drafter  # the draft's own: a model, a feature draft, heads, a block draft, or n-gram lookup
+    # the draft's own: a model, a feature draft, heads, a block draft, n-gram lookup, suffix decoding or
+    # token recycling
+    drafter: Drafter
     device: torch.device
     dtype: torch.dtype
     draft_description: str | None = None  # the draft's format and the target states it reads
-    lookup: NgramDrafter | None = None  # prompt lookup ahead of the drafter (draft.lookup)
+    lookup: ContextDrafter | None = None  # prompt lookup or suffix decoding ahead of the drafter
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -86,7 +91,7 @@ class Pair:
         gamma = self.config.speculation.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
         drafter = self.drafter if speculative else None
         if speculative and self.lookup is not None:
-            lookup_tokens = self.config.draft.lookup.num_draft_tokens
+            lookup_tokens = (self.config.draft.lookup or self.config.draft.suffix).num_draft_tokens
             if lookup_tokens is None:  # both sides draft the decoder's length
                 drafter = LookupFirstDrafter(self.lookup, drafter)
             else:  # each side its own length; the decoder's is the longer
@@ -166,6 +171,12 @@ def load_pair(config: Config) -> Pair:
     if config.draft.ngram is not None:
         drafter = NgramDrafter(config.draft.ngram.max_n, config.draft.ngram.min_n, vocab_size, device)
         token_by_token = False
+    elif config.draft.recycling is not None:
+        drafter = RecyclingDrafter(config.draft.recycling.candidates, vocab_size, device)
+        token_by_token = False
+    elif not config.draft.has_model:
+        drafter = SuffixDrafter(config.draft.suffix, vocab_size, device)
+        token_by_token = False
     else:
         draft_model, draft_tokenizer = load_model(config.draft, device, dtype, target=model)
         if draft_tokenizer is not None:  # a draft without one (EAGLE's) uses the target's
@@ -182,6 +193,8 @@ def load_pair(config: Config) -> Pair:
         token_by_token = isinstance(drafter, (ModelDrafter, FeatureDrafter))
         if config.draft.lookup is not None:
             lookup = NgramDrafter(config.draft.lookup.max_n, config.draft.lookup.min_n, vocab_size, device)
+        if config.draft.suffix is not None:
+            lookup = SuffixDrafter(config.draft.suffix, vocab_size, device)
     if threshold and not token_by_token:
         raise SpecdecError(
             "confidence_threshold applies to drafts that draft token by token (a draft model, a feature "

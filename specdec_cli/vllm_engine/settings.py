@@ -31,6 +31,10 @@ def speculative_config(draft: DraftSpec, gamma: int) -> dict:
     has no counterpart of is a SpecdecError that says so."""
     if draft.lookup is not None:
         raise SpecdecError("vLLM has no equivalent of prompt lookup ahead of a draft model (draft.lookup)")
+    if draft.recycling is not None:
+        raise SpecdecError("vLLM has no token recycling (draft.recycling)")
+    if draft.suffix is not None:
+        return suffix_config(draft, gamma)
     if draft.ngram is not None:
         return {
             "method": "ngram",
@@ -49,6 +53,23 @@ def speculative_config(draft: DraftSpec, gamma: int) -> dict:
     if kind is None:  # vLLM's draft model drafts its argmax unless told to sample, as specdec's does
         speculative["draft_sample_method"] = "probabilistic"
     return speculative
+
+
+def suffix_config(draft: DraftSpec, gamma: int) -> dict:
+    """vLLM's suffix decoding (`method: suffix`, from the arctic-inference package) with specdec's settings."""
+    suffix = draft.suffix
+    if draft.has_model:
+        raise SpecdecError("vLLM has no equivalent of suffix decoding ahead of a draft model (draft.suffix)")
+    if suffix.max_spec_offset:
+        raise SpecdecError("vLLM's suffix decoding has no max_spec_offset: set draft.suffix.max_spec_offset 0")
+    return {
+        "method": "suffix",
+        "num_speculative_tokens": gamma,
+        "suffix_decoding_max_tree_depth": suffix.max_tree_depth,
+        "suffix_decoding_max_cached_requests": suffix.max_cached_requests,
+        "suffix_decoding_max_spec_factor": suffix.max_spec_factor,
+        "suffix_decoding_min_token_prob": suffix.min_token_prob,
+    }
 
 
 def engine_settings(cfg: Config, dtype: str, speculative: dict | None) -> dict:
