@@ -75,7 +75,7 @@ def drafter(**settings) -> SuffixDrafter:
     return SuffixDrafter(SuffixSettings(**settings), 258, CPU)
 
 
-def test_suffix_decoding_drafts_the_most_frequent_continuation_of_the_longest_match():
+def test_suffix_decoding_drafts_the_most_frequent_continuation_of_the_best_match():
     d = drafter()
     d.start([[1, 2, 3, 4, 5, 1, 2, 3]], 64, None)
     assert d.lookup(8) == [4, 5, 1]  # a match of 3 tokens earns 3 (max_spec_factor 1)
@@ -85,9 +85,18 @@ def test_suffix_decoding_drafts_the_most_frequent_continuation_of_the_longest_ma
     assert d.lookup(3) == [3, 1, 2]  # "1 2" went on with 3 twice, with 9 once
     d = drafter(max_spec_factor=4.0, min_token_prob=0.7)
     d.start([[1, 2, 3, 1, 2, 3, 1, 2, 9, 1, 2]], 64, None)
-    assert d.lookup(3) == []  # 2/3 < 0.7: not sure enough to draft
+    assert d.lookup(3) == []  # 2 of the 4 times "1 2" occurred: not sure enough to draft
     d.start([[5, 6, 7]], 64, None)
     assert d.lookup(3) == []  # nothing repeats
+
+
+def test_a_shorter_match_wins_where_the_longest_leaves_the_trie_no_room():
+    """A trie cut at depth 4 holds "1 2 3" with one token after it: the 3-token match drafts 1 token,
+    "2 3" 2 and "3" 3, each followed by the same tokens half of the time; the summed estimates
+    (0.5, 1.0, 1.5) pick the 1-token match."""
+    d = drafter(max_tree_depth=4, max_spec_factor=4.0)
+    d.start([[1, 2, 3, 4, 5, 6, 1, 2, 3]], 64, None)
+    assert d.lookup(8) == [4, 5, 6]
 
 
 def test_a_suffix_tree_grows_best_first_with_distinct_siblings():

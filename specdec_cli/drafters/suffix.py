@@ -6,13 +6,13 @@ and in the answers of the run's earlier requests, scored by how often each conti
   so far, with how often each occurred (a suffix tree cut at that depth), grown as tokens are
   verified. The run keeps one more over the answers of its last `max_cached_requests` requests
   (generate's prompt file, benchmark's prompts, a batch's rows), the oldest dropped first.
-- Per block and row, the match is the longest suffix of the context (shorter than max_tree_depth)
-  that a trie holds with something after it. A continuation's estimated probability is the product,
-  along its path, of each token's share of what followed its parent. Drafts grow the most probable
-  continuations (a chain: the most frequent next token each step; a tree: best first, at most top_k
-  children a node) while that estimate is at least `min_token_prob`, up to `max_spec_factor` x the
-  match's length + `max_spec_offset` tokens and the block's length. Of the two tries' drafts, the one
-  with the larger summed estimate is kept.
+- Per block and row, every suffix of the context (shorter than max_tree_depth) that a trie holds is
+  a match. A continuation's estimated probability is the product, along its path, of each token's
+  count over its parent's. From each match, drafts grow the most probable continuations (a chain: the
+  most frequent next token each step; a tree: best first, at most top_k children a node) while that
+  estimate is at least `min_token_prob`, up to `max_spec_factor` x the match's length +
+  `max_spec_offset` tokens and the block's length; the draft with the largest summed estimate over
+  both tries and all match lengths is kept.
 - A request never reads answers to its own prompt: they are out of the shared trie while a row with
   that prompt runs, so a benchmark's repeats and modes of one prompt (a serving engine never sees the
   same request twice) and verify-distribution's runs do not draft from their own earlier answers.
@@ -63,18 +63,18 @@ class SuffixTrie:
                     break
                 node = child
 
-    def match(self, context: list[int]) -> tuple[Node | None, int]:
-        """The node of the context's longest suffix (shorter than `depth`) held here with something
-        after it, and that suffix's length."""
-        for length in range(min(self.depth - 1, len(context)), 0, -1):
+    def matches(self, context: list[int]) -> list[Node]:
+        """The nodes of the context's suffixes held here, shortest first (node i: the last i + 1 tokens),
+        up to the first one missing."""
+        found = []
+        for length in range(1, min(self.depth, len(context))):
             node = self.root
             for token in context[len(context) - length :]:
                 node = node.children.get(token)
                 if node is None:
-                    break
-            if node is not None and node.children:
-                return node, length
-        return None, 0
+                    return found
+            found.append(node)
+        return found
 
 
 class GrowingTrie(SuffixTrie):
@@ -96,19 +96,15 @@ class GrowingTrie(SuffixTrie):
                 grown.append(child)
             self.suffixes = grown[: self.depth - 1]
 
-    def match(self, context: list[int]) -> tuple[Node | None, int]:
+    def matches(self, context: list[int]) -> list[Node]:
         """As SuffixTrie's, for the context this trie holds: its suffixes' nodes are at hand."""
-        for length in range(len(self.suffixes), 0, -1):
-            if self.suffixes[length - 1].children:
-                return self.suffixes[length - 1], length
-        return None, 0
+        return self.suffixes[: len(context) - 1]
 
 
 def ranked(node: Node) -> list[tuple[int, Node, float]]:
-    """What followed `node`, most frequent first: (token, its node, its share)."""
-    total = sum(child.count for child in node.children.values())
+    """What followed `node`, most frequent first: (token, its node, its share of the node's occurrences)."""
     children = sorted(node.children.items(), key=lambda item: -item[1].count)
-    return [(token, child, child.count / total) for token, child in children]
+    return [(token, child, child.count / node.count) for token, child in children]
 
 
 def chain(node: Node, budget: int, min_prob: float) -> tuple[list[int], float]:
@@ -116,12 +112,13 @@ def chain(node: Node, budget: int, min_prob: float) -> tuple[list[int], float]:
     and their summed estimates."""
     tokens, prob, score = [], 1.0, 0.0
     while len(tokens) < budget and node.children:
-        token, node, share = ranked(node)[0]
-        prob *= share
+        token, child = max(node.children.items(), key=lambda item: item[1].count)
+        prob *= child.count / node.count
         if prob < min_prob:
             break
         tokens.append(token)
         score += prob
+        node = child
     return tokens, score
 
 
@@ -204,25 +201,34 @@ class SuffixDrafter(ContextDrafter):
         self.tries = [self.tries[r] for r in rows]
         self.prompts = [self.prompts[r] for r in rows]
 
-    def matches(self, row: int) -> list[tuple[Node, int]]:
-        """The row's match in its own trie and in the shared one (where there is one)."""
-        found = [self.tries[row].match(self.contexts[row]), self.shared.match(self.contexts[row])]
-        return [(node, length) for node, length in found if node is not None]
-
     def budget(self, length: int, limit: int) -> int:
         """Draft tokens a match of `length` tokens earns (the block's `limit` at most)."""
         s = self.settings
         return min(limit, int(s.max_spec_factor * length + s.max_spec_offset + 1e-6))
 
+    def best(self, row: int, draft, limit: int):
+        """`draft(node, budget)` (a draft and its summed estimates last) from every suffix the row's own
+        trie, then the shared one, holds: the highest-scoring, the longer match on a tie within a trie
+        and the own trie's on a tie between them. A longer match is surer but leaves the trie, cut at
+        max_tree_depth, less room to continue, so every length is tried (as Arctic Inference does)."""
+        best = None
+        for trie in (self.tries[row], self.shared):
+            found = None
+            for length, node in enumerate(trie.matches(self.contexts[row]), start=1):
+                candidate = draft(node, self.budget(length, limit))
+                if found is None or candidate[-1] >= found[-1]:
+                    found = candidate
+            if found is not None and (best is None or found[-1] > best[-1]):
+                best = found
+        return best
+
     def lookup(self, gamma: int, row: int = 0) -> list[int]:
-        min_prob = self.settings.min_token_prob
-        drafts = [chain(node, self.budget(length, gamma), min_prob) for node, length in self.matches(row)]
-        return max(drafts, key=lambda d: d[1], default=([], 0.0))[0]
+        best = self.best(row, lambda node, budget: chain(node, budget, self.settings.min_token_prob), gamma)
+        return best[0] if best else []
 
     def lookup_tree(self, shape: TreeShape, row: int) -> tuple[list[int], list[int]]:
-        trees = [
-            tree(node, shape, self.budget(length, shape.max_nodes), self.settings.min_token_prob)
-            for node, length in self.matches(row)
-        ]
-        tokens, parents, _ = max(trees, key=lambda t: t[2], default=([], [], 0.0))
-        return tokens, parents
+        def draft(node, budget):
+            return tree(node, shape, budget, self.settings.min_token_prob)
+
+        best = self.best(row, draft, shape.max_nodes)
+        return (best[0], best[1]) if best else ([], [])
