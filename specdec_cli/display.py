@@ -80,6 +80,8 @@ def generation_table(stats: dict, env: dict, title: str) -> Table:
     table.add_column("statistic", style="bold")
     table.add_column("value", justify="right")
     positions = ", ".join(fmt(r) for r in stats["acceptance_by_position"]) or "n/a"
+    given = ", ".join(fmt(r) for r in stats["conditional_acceptance_by_position"]) or "n/a"
+    histogram = " ".join(f"{k}:{n}" for k, n in enumerate(stats["accepted_length_histogram"])) or "n/a"
     rows = [
         ("New tokens", f"{stats['new_tokens']} (stopped by {stats['stop_reason']})"),
         ("Decode tokens/s", fmt(stats["tokens_per_second"], ".1f")),
@@ -95,6 +97,8 @@ def generation_table(stats: dict, env: dict, title: str) -> Table:
             f"{fmt(stats['acceptance_rate'], '.1%')} ({stats['accepted_draft_tokens']}/{stats['draft_tokens']} drafts)",
         ),
         ("Acceptance by draft position", positions),
+        ("Acceptance by position, given the ones before", given),
+        ("Blocks by accepted drafts (accepted:blocks)", histogram),
         (
             "Time drafting / verifying",
             f"{stats['draft_seconds']:.2f} s / {stats['verify_seconds']:.2f} s "

@@ -6,12 +6,15 @@ from specdec_cli.decoding.metrics import (
     StepRecord,
     acceptance_by_position,
     acceptance_rate,
+    accepted_length_histogram,
+    conditional_acceptance_by_position,
     cost_ratio,
     draft_time_share,
     mean_accepted_length,
     median_and_spread,
     predicted_speedup,
     speedup,
+    vllm_counters,
     vllm_mean_acceptance_length,
 )
 
@@ -53,6 +56,36 @@ def test_acceptance_by_position():
     assert acceptance_by_position(TARGET_ONLY, 2) == [None, None]
     # blocks longer than gamma (prompt lookup ahead of a 2-token draft model) extend the positions
     assert acceptance_by_position(STEPS, 2) == [1.0, 0.75, 1 / 3, 1 / 3]
+
+
+def test_conditional_acceptance_by_position():
+    # pos 2: A, C, D kept it of the 4 that kept pos 1; pos 3: only A of A and C (D drafted 2)
+    assert conditional_acceptance_by_position(STEPS, 4) == [1.0, 0.75, 0.5, 1.0]
+    assert conditional_acceptance_by_position(TARGET_ONLY, 2) == [None, None]
+    # the joint rate is the running product where every block drafts as far
+    full = [StepRecord(3, a, a + 1, 0.1, 1.0) for a in (0, 1, 1, 2, 3, 3)]
+    conditional, joint = conditional_acceptance_by_position(full, 3), acceptance_by_position(full, 3)
+    assert joint == pytest.approx([conditional[0], conditional[0] * conditional[1], math.prod(conditional)])
+
+
+def test_accepted_length_histogram_counts_drafting_blocks():
+    miss = StepRecord(drafted=0, accepted=0, emitted=1, draft_seconds=0.01, verify_seconds=1.0)
+    assert accepted_length_histogram(STEPS + [miss]) == [0, 1, 2, 0, 1]
+    assert accepted_length_histogram(TARGET_ONLY) == []
+
+
+def test_vllm_counters():
+    miss = StepRecord(drafted=0, accepted=0, emitted=1, draft_seconds=0.01, verify_seconds=1.0)
+    counters = vllm_counters(STEPS + [miss])
+    assert counters == {
+        "num_drafts": 4,
+        "num_draft_tokens": 14,
+        "num_accepted_tokens": 9,
+        "num_accepted_tokens_per_pos": [4, 3, 1, 1],
+    }
+    # vLLM's mean acceptance length from its counters is specdec's
+    assert 1 + counters["num_accepted_tokens"] / counters["num_drafts"] == vllm_mean_acceptance_length(STEPS)
+    assert vllm_counters(TARGET_ONLY)["num_accepted_tokens_per_pos"] == []
 
 
 def test_draft_time_share():

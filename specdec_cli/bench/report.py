@@ -152,6 +152,14 @@ def detail_report(summary: list[dict], rule: str) -> Report:
         ("acceptance rate (accepted / drafted)", lambda r: fmt(r["acceptance_rate"], ".1%")),
         ("per-token acceptance α", lambda r: fmt(r["per_token_acceptance"], ".3f")),
         ("acceptance by draft position", lambda r: " ".join(fmt(p, ".2f") for p in r["acceptance_by_position"])),
+        (
+            "acceptance by position, given the ones before",
+            lambda r: " ".join(fmt(p, ".2f") for p in r.get("conditional_acceptance_by_position") or []) or "n/a",
+        ),
+        (
+            "blocks by accepted drafts (0 1 2 ...)",
+            lambda r: " ".join(map(str, r.get("accepted_length_histogram") or [])),
+        ),
         ("time drafting (vs verifying)", lambda r: fmt(r["draft_time_share"], ".1%")),
         ("cost ratio c", lambda r: fmt(r["cost_ratio"], ".3f")),
         ("verification cost per block (1-token forwards)", lambda r: fmt(r.get("verification_cost"))),

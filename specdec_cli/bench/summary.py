@@ -11,7 +11,9 @@ from specdec_cli.decoding.metrics import (
     StepRecord,
     acceptance_by_position,
     acceptance_rate,
+    accepted_length_histogram,
     block_costs,
+    conditional_acceptance_by_position,
     cost_ratio,
     draft_time_share,
     mean_accepted_length,
@@ -20,6 +22,7 @@ from specdec_cli.decoding.metrics import (
     predicted_speedup,
     predicted_speedup_from_parts,
     speedup,
+    vllm_counters,
     vllm_mean_acceptance_length,
 )
 
@@ -82,6 +85,9 @@ def summarize_mode(baseline: list[dict], speculative: list[dict], gamma: int, tr
         "acceptance_rate": acceptance_rate(spec_steps),
         "per_token_acceptance": alpha,
         "acceptance_by_position": acceptance_by_position(spec_steps, gamma),
+        "conditional_acceptance_by_position": conditional_acceptance_by_position(spec_steps, gamma),
+        "accepted_length_histogram": accepted_length_histogram(spec_steps),
+        **vllm_counters(spec_steps),
         "draft_time_share": draft_time_share(spec_steps),
         "cost_ratio": c,
         "predicted_speedup": (

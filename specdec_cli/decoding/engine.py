@@ -26,8 +26,11 @@ from specdec_cli.decoding.metrics import (
     StepRecord,
     acceptance_by_position,
     acceptance_rate,
+    accepted_length_histogram,
+    conditional_acceptance_by_position,
     draft_time_share,
     mean_accepted_length,
+    vllm_counters,
     vllm_mean_acceptance_length,
 )
 from specdec_cli.decoding.params import SamplingParams
@@ -82,6 +85,9 @@ class GenerationResult:
             "accepted_draft_tokens": sum(s.accepted for s in self.steps),
             "acceptance_rate": acceptance_rate(self.steps),
             "acceptance_by_position": acceptance_by_position(self.steps, gamma),
+            "conditional_acceptance_by_position": conditional_acceptance_by_position(self.steps, gamma),
+            "accepted_length_histogram": accepted_length_histogram(self.steps),
+            **vllm_counters(self.steps),
             "draft_seconds": sum(s.draft_seconds for s in self.steps),
             "verify_seconds": sum(s.verify_seconds for s in self.steps),
             "draft_time_share": draft_time_share(self.steps),

@@ -81,6 +81,38 @@ def acceptance_by_position(steps: list[StepRecord], gamma: int) -> list[float | 
     return rates
 
 
+def conditional_acceptance_by_position(steps: list[StepRecord], gamma: int) -> list[float | None]:
+    """Acceptance of draft position i given that positions 1..i-1 were kept (SPEED-Bench's per-position
+    figure): among the steps that drafted at least i tokens and accepted at least i - 1, the share
+    that accepted i. Position 1 equals acceptance_by_position's; later ones are its ratios, so a weak
+    deep position shows here even when few blocks reach it. None where no step reached a position."""
+    rates: list[float | None] = []
+    for i in range(1, max([gamma] + [s.drafted for s in steps]) + 1):
+        reached = [s for s in steps if s.drafted >= i and s.accepted >= i - 1]
+        rates.append(sum(s.accepted >= i for s in reached) / len(reached) if reached else None)
+    return rates
+
+
+def accepted_length_histogram(steps: list[StepRecord]) -> list[int]:
+    """How many drafting blocks accepted 0, 1, 2, ... draft tokens (blocks that drafted nothing left out)."""
+    drafting = [s.accepted for s in steps if s.drafted]
+    return [drafting.count(k) for k in range(max(drafting) + 1)] if drafting else []
+
+
+def vllm_counters(steps: list[StepRecord]) -> dict[str, int | list[int]]:
+    """The acceptance counters under the names vLLM's speculative-decoding metrics give them: drafting
+    blocks, draft tokens, accepted draft tokens, and per position how many blocks kept it. vLLM's
+    acceptance rate at position i is num_accepted_tokens_per_pos[i] / num_drafts."""
+    drafting = [s for s in steps if s.drafted]
+    depth = max((s.drafted for s in drafting), default=0)
+    return {
+        "num_drafts": len(drafting),
+        "num_draft_tokens": sum(s.drafted for s in drafting),
+        "num_accepted_tokens": sum(s.accepted for s in drafting),
+        "num_accepted_tokens_per_pos": [sum(s.accepted > i for s in drafting) for i in range(depth)],
+    }
+
+
 def draft_time_share(steps: list[StepRecord]) -> float | None:
     """Fraction of decode-loop time spent drafting; None when no time was recorded."""
     draft = sum(s.draft_seconds for s in steps)
