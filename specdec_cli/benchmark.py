@@ -154,14 +154,13 @@ def execute(
     )
     chart_files = charts.draw([(charts.heading(record), record)]) if records.recording else {}
     report = markdown_document(record, tables, list(chart_files))
-    written = records.write_record("benchmark", cfg.name, record, {"report.md": report, **chart_files})
-    if as_json:
-        print(records.dumps(record))
-    else:
+
+    def show() -> None:
         for table in tables:
             display.stdout.print(rich_table(table))
         display.stdout.print(environment_caption(record["environment"]))
-    display.stderr.print(written)
+
+    records.finish("benchmark", cfg.name, record, as_json, show, {"report.md": report, **chart_files})
     if partial:
         display.stderr.print("Interrupted: the record holds the prompts finished in every mode (partial: true).")
         raise KeyboardInterrupt

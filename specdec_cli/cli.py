@@ -26,7 +26,6 @@ from specdec_cli.options import (
     MaxNewOpt,
     NumDraftTokensOpt,
     RecordOpt,
-    RefusesRenamedFlags,
     RunsDirOpt,
     SeedOpt,
     TemperatureOpt,
@@ -42,7 +41,6 @@ from specdec_cli.options import (
 
 app = typer.Typer(
     name="specdec",
-    cls=RefusesRenamedFlags,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -68,6 +66,15 @@ def root(
     """Run and measure exact speculative decoding."""
 
 
+def command(*name, **settings):
+    """`app.command` with the docstring as one paragraph: Typer's rich help keeps its line breaks."""
+
+    def register(function):
+        return app.command(*name, help=" ".join(function.__doc__.split()), **settings)(function)
+
+    return register
+
+
 class Engine(str, Enum):
     specdec = "specdec"
     vllm = "vllm"
@@ -83,7 +90,7 @@ class Eagle3Layout(str, Enum):
     speculators = "speculators"
 
 
-@app.command(
+@command(
     epilog="""Examples:\n
   specdec generate --prompt "Summarize: ..."\n
   specdec generate -c tiny-random --prompt "abc" --temperature 0.7 --json\n
@@ -171,7 +178,7 @@ def generate(
     generate_one(cfg, text, raw, as_json)
 
 
-@app.command(
+@command(
     epilog="""Examples:\n
   specdec benchmark\n
   specdec benchmark -c tiny-random --num-draft-tokens-list 1,2,4 --temperatures 0,0.7 --repeats 3\n
@@ -250,7 +257,6 @@ def benchmark(
     min_accept_length: Annotated[
         Optional[float], typer.Option(help="Exit 4 unless every overall mean accepted length reaches this.")
     ] = None,
-    compare: Annotated[Optional[tuple[Path, Path]], typer.Option(hidden=True)] = None,  # the old spelling
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     threads: ThreadsOpt = None,
@@ -261,8 +267,6 @@ def benchmark(
     """Measure target-only vs speculative decoding on a prompt set, greedy and sampled: tokens/s,
     speedup, acceptance, cost ratio and Leviathan's predicted speedup. Writes runs/<time>-benchmark-<name>/
     with record.json, report.md and its charts (chart.png, chart.svg)."""
-    if compare:
-        raise SpecdecError("benchmark --compare is a command of its own now: use 'specdec compare A B'")
     cfg = configure(
         config,
         runs_dir,
@@ -293,7 +297,7 @@ def benchmark(
     execute(cfg, selected, plan, as_json, min_speedup, min_accept_length)
 
 
-@app.command(
+@command(
     epilog="""Examples:\n
   specdec compare runs/A runs/B\n
   specdec compare runs/A/record.json runs/B --json > comparison.json\n
@@ -316,7 +320,7 @@ def compare(
     compare_records(a, b, as_json)
 
 
-@app.command(
+@command(
     "verify-distribution",
     epilog="""Examples:\n
   specdec verify-distribution -c tiny-random\n
@@ -387,7 +391,7 @@ def verify_distribution(
     run_verification(cfg, prompt or [], samples, significance, as_json, batch_size)
 
 
-@app.command(
+@command(
     epilog="""Examples:\n
   specdec distill --out drafts/my-draft\n
   specdec distill -c configs/my-target.yaml --out drafts/x --prompts prompts.txt --training-steps 500 --layers 2\n
@@ -539,7 +543,7 @@ def distill(
     distillation.distill(cfg, texts, settings, out, keep_work, answers)
 
 
-@app.command(
+@command(
     "setup-vllm",
     epilog="""Examples:\n
   specdec setup-vllm\n

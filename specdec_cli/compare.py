@@ -48,11 +48,12 @@ def compare(a: Path, b: Path, as_json: bool) -> None:
         else {}
     )
     report = "\n".join(["# specdec compare", "", *chart_links(list(files)), markdown(table)])
-    written = records.write_record(
-        "compare", f"{record_a['name']}-vs-{record_b['name']}", record, {"report.md": report, **files}
+    name = f"{record_a['name']}-vs-{record_b['name']}"
+    records.finish(
+        "compare",
+        name,
+        record,
+        as_json,
+        lambda: display.stdout.print(rich_table(table)),
+        {"report.md": report, **files},
     )
-    if as_json:
-        print(records.dumps(record))
-    else:
-        display.stdout.print(rich_table(table))
-    display.stderr.print(written)

@@ -60,12 +60,8 @@ def generate_one(cfg: Config, text: str, raw: bool, as_json: bool) -> None:
     stream.close()
     stats = result.stats(decoder.gamma)
     record.update(text=stream.text, token_ids=result.token_ids, stats=stats, steps=[vars(s) for s in result.steps])
-    written = records.write_record("generate", cfg.name, record)
-    if as_json:
-        print(records.dumps(record))
-    else:
-        display.stderr.print(display.generation_table(stats, record["environment"], title(cfg)))
-        display.stderr.print(written)
+    table = display.generation_table(stats, record["environment"], title(cfg))
+    records.finish("generate", cfg.name, record, as_json, lambda: display.stderr.print(table))
 
 
 def generate_many(cfg: Config, prompts: list[Prompt], raw: bool, batch_size: int, as_json: bool) -> None:
@@ -139,17 +135,16 @@ def report_many(
         for p, ids, r in zip(prompts, encoded, results)
     ]
     record.update(rows=rows, stats=overall)
-    written = records.write_record("generate", cfg.name, record)
-    if as_json:
-        print(records.dumps(record))
-    else:
+
+    def show() -> None:
         for row in rows:
             display.stdout.print(f"[bold]── {row['prompt_id']} ({row['category']})[/]")
             display.stdout.print(row["text"], markup=False)
         if overall:
             batches = f", batches of {batch_size}" if batch_size else ""
             display.stderr.print(display.batch_table(rows, overall, record["environment"], title(cfg, batches)))
-    display.stderr.print(written)
+
+    records.finish("generate", cfg.name, record, as_json, show)
 
 
 def generate_vllm(cfg: Config, prompts: list[Prompt], raw: bool, as_json: bool) -> None:

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import functools
-import itertools
 import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from typer.core import TyperGroup
 
 from specdec_cli import records
 from specdec_cli.config import DEFAULT_CONFIG, Config, apply_overrides, load_config, parse_tree
-from specdec_cli.errors import EXIT_BAD_INPUT, SpecdecError, out_of_memory, read_text
+from specdec_cli.errors import SpecdecError, out_of_memory, read_text
 
 EXIT_INTERRUPTED = 130
 
@@ -61,33 +59,6 @@ RunsDirOpt = Annotated[
     typer.Option(help="Folder for run records (default: $SPECDEC_RUNS_DIR, else ./runs).", show_default=False),
 ]
 RecordOpt = Annotated[bool, typer.Option("--record/--no-record", help="Write the run's record (and report).")]
-
-
-# Flags that were renamed, per command: the old spelling is refused with the new one named.
-RENAMED = {
-    "generate": {"--gamma": "--num-draft-tokens", "-g": "--num-draft-tokens"},
-    "verify-distribution": {"--gamma": "--num-draft-tokens", "-g": "--num-draft-tokens"},
-    "benchmark": {"--gamma": "--num-draft-tokens-list", "-g": "--num-draft-tokens-list"},
-    "distill": {
-        "--steps": "--training-steps",
-        "--draft-steps": "--draft-positions",
-        "--batch-size": "--answers-per-step",
-    },
-}
-
-
-class RefusesRenamedFlags(TyperGroup):
-    """The command group, which refuses a renamed flag's old spelling before the command parses it."""
-
-    def resolve_command(self, ctx, args):
-        name, command, rest = super().resolve_command(ctx, args)
-        renamed = RENAMED.get(name, {})
-        for arg in itertools.takewhile(lambda a: a != "--", rest):
-            old = arg.split("=", 1)[0]
-            if old in renamed:
-                print(f"Error: {old} is now {renamed[old]}", file=sys.stderr)
-                raise typer.Exit(EXIT_BAD_INPUT)
-        return name, command, rest
 
 
 def reports_errors(command):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -61,3 +62,18 @@ def write_record(command: str, name: str, record: dict[str, Any], files: dict[st
         path = folder / file_name
         path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
     return "Record: " + ", ".join(str(folder / n) for n in ["record.json", *(files or {})])
+
+
+def finish(
+    command: str, name: str, record: dict[str, Any], as_json: bool, show: Callable[[], None], files=None
+) -> None:
+    """Every command's ending: write the record (and `files`), print it as JSON or `show` its tables,
+    then say on stderr where it went."""
+    from specdec_cli.display import stderr
+
+    written = write_record(command, name, record, files)
+    if as_json:
+        print(dumps(record))
+    else:
+        show()
+    stderr.print(written)

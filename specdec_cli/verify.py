@@ -740,12 +740,10 @@ def verify_distribution(
             "multiplicity": "holm",
             "min_expected_per_bin": MIN_EXPECTED,
         },
-        "checks": [{**asdict(r), "passed": r.passed} for r in rows],  # "passed": for readers of older records
+        "checks": [asdict(r) for r in rows],
     }
-    written = records.write_record("verify-distribution", cfg.name, record)
-    if as_json:
-        print(records.dumps(record))
-    else:
+
+    def show() -> None:
         title = (
             f"{cfg.name}: {describe_params(settings.params)}, {cfg.describe_drafting()}, "
             f"{cfg.describe_verification()}, "
@@ -755,8 +753,10 @@ def verify_distribution(
         )
         display.stdout.print(display.verification_table(rows, title, display.environment_caption(env)))
         display.stderr.print(
-            f"{count[PASS]} passed, {count[FAIL]} failed, {count[NOT_RUN]} not run in {seconds:.0f} s. {written}"
+            f"{count[PASS]} passed, {count[FAIL]} failed, {count[NOT_RUN]} not run in {seconds:.0f} s."
         )
+
+    records.finish("verify-distribution", cfg.name, record, as_json, show)
     if failed:
         raise SpecdecError(
             f"{len(failed)} check(s) failed: " + "; ".join(f"{r.check} ({r.what})" for r in failed), EXIT_CHECK_FAILED

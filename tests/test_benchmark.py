@@ -334,12 +334,6 @@ def test_compare_two_records(tmp_path):
     assert len(list((tmp_path / "runs").glob("*-compare-*"))) == 1  # --no-record: no second folder, no chart
 
 
-def test_the_old_compare_spelling_names_the_new_command(tmp_path):
-    code, out, err = run_cli("--compare", str(tmp_path), str(tmp_path))
-    assert code == EXIT_BAD_INPUT and out == ""
-    assert err == "Error: benchmark --compare is a command of its own now: use 'specdec compare A B'\n"
-
-
 def test_compare_refuses_what_is_not_a_benchmark_record(tmp_path):
     code, _, err = run_cli(str(tmp_path / "missing"), str(tmp_path), command="compare")
     assert code == EXIT_BAD_INPUT and err.startswith("Error: cannot read benchmark record") and err.count("\n") == 1
