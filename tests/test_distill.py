@@ -235,7 +235,7 @@ def test_sampled_output_is_the_targets(distilled):
     # drafts get accepted (the tiny target's greedy path may leave the draft's 96 tokens: sample)
     accepted = sum(
         generate_json("-c", str(distilled.pair_config), "--temperature", "0.8", "--seed", str(seed))["stats"][
-            "accepted_draft_tokens"
+            "num_accepted_tokens"
         ]
         for seed in range(5)
     )

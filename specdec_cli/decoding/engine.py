@@ -81,8 +81,6 @@ class GenerationResult:
             "target_forwards": len(self.steps),
             "mean_accepted_length": mean_accepted_length(self.steps),
             "vllm_mean_acceptance_length": vllm_mean_acceptance_length(self.steps),
-            "draft_tokens": sum(s.drafted for s in self.steps),
-            "accepted_draft_tokens": sum(s.accepted for s in self.steps),
             "acceptance_rate": acceptance_rate(self.steps),
             "acceptance_by_position": acceptance_by_position(self.steps, gamma),
             "conditional_acceptance_by_position": conditional_acceptance_by_position(self.steps, gamma),
