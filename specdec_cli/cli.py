@@ -75,6 +75,11 @@ def command(*name, **settings):
     return register
 
 
+class CorpusEngine(str, Enum):
+    transformers = "transformers"
+    vllm = "vllm"
+
+
 class Engine(str, Enum):
     specdec = "specdec"
     vllm = "vllm"
@@ -541,6 +546,97 @@ def distill(
         layout=layout.value,
     )
     distillation.distill(cfg, texts, settings, out, keep_work, answers)
+
+
+def parse_count(text: str, flag: str) -> int:
+    """`5500000`, `5.5M` or `500k`."""
+    scale = {"k": 1_000, "m": 1_000_000}.get(text[-1:].lower(), 1)
+    try:
+        count = int(float(text[:-1] if scale > 1 else text) * scale)
+    except ValueError:
+        count = 0
+    if count <= 0:
+        raise SpecdecError(f"{flag} {text}: expected a positive count such as 5500000, 5.5M or 500k")
+    return count
+
+
+@command(
+    epilog="""Examples:\n
+  specdec corpus --out corpus/smollm2 --tokens 5.5M\n
+  specdec corpus --out corpus/smollm2 --tokens 5.5M --engine vllm   # after specdec setup-vllm; faster on CPU\n
+  specdec corpus -c configs/my-target.yaml --out corpus/mine --tokens 500k --exclude my-eval.jsonl\n
+  specdec distill --out drafts/mine --answers corpus/smollm2   # train on it"""
+)
+@reports_errors
+def corpus(
+    out: Annotated[
+        Path, typer.Option(help="Folder of the corpus; the same command again continues an unfinished one.")
+    ],
+    tokens: Annotated[str, typer.Option(help="Answer tokens to write in all (5500000, 5.5M, 500k).")] = "5.5M",
+    config: ConfigOpt = None,
+    engine: Annotated[
+        CorpusEngine,
+        typer.Option(help="What runs the target: transformers, or vLLM's own environment (specdec setup-vllm)."),
+    ] = CorpusEngine.transformers,
+    dtype: Annotated[str, typer.Option(help="The target's dtype while it writes.")] = "bfloat16",
+    batch_size: Annotated[int, typer.Option(min=1, help="Answers written at once.")] = 256,
+    answer_tokens: Annotated[int, typer.Option(min=1, help="Most tokens per answer.")] = 256,
+    prompts_per_shard: Annotated[
+        int, typer.Option(min=1, help="Prompts per shard: an interrupted run loses at most one shard.")
+    ] = 1024,
+    temperatures: Annotated[
+        str, typer.Option(help="Temperatures the shards take in turn, comma-separated; 0 is greedy.")
+    ] = "0,0.7,0.85,1",
+    exclude: Annotated[
+        Optional[list[Path]],
+        typer.Option(
+            help="Evaluation prompts (text, JSONL or Spec-Bench JSONL) no corpus prompt may share 8 words with; "
+            "the built-in benchmark prompts always are."
+        ),
+    ] = None,
+    seed: SeedOpt = None,
+    threads: ThreadsOpt = None,
+    json_output: JsonOpt = False,
+    runs_dir: RunsDirOpt = None,
+    record: RecordOpt = True,
+) -> None:
+    """Have the config's target answer a large mix of prompts of the kinds people send (conversation,
+    writing, roleplay, reasoning, math, coding, science, humanities, questions, and summaries,
+    extraction, retrieval, translation and follow-up turns over its own earlier answers), greedy and
+    sampled, into compressed shards of token ids: the corpus `specdec distill --answers FOLDER` trains
+    a draft on. Ctrl-C or a stopped machine loses at most the shard being written."""
+    from specdec_cli.bench.prompts import builtin_suite
+
+    cfg = configure(config, runs_dir, record, sampling__seed=seed, runtime__threads=threads)
+    target_tokens = parse_count(tokens, "--tokens")
+    shade = parse_list(temperatures, float, "--temperatures")
+    if not shade or any(t < 0 for t in shade):
+        raise SpecdecError(f"--temperatures {temperatures}: expected temperatures >= 0, such as 0,0.7,1")
+    excluded = [turn for p in builtin_suite() for turn in p.turns]
+    excluded += [turn for path in exclude or [] for p in load_prompts(path) for turn in p.turns]
+    from specdec_cli import display
+    from specdec_cli.distill import writing
+
+    if cfg.runtime.threads:
+        import torch
+
+        torch.set_num_threads(cfg.runtime.threads)
+    shape = writing.CorpusShape(
+        cfg.target.describe(), cfg.sampling.seed, prompts_per_shard, answer_tokens, tuple(shade)
+    )
+    manifest = writing.write_corpus(cfg, shape, target_tokens, out, engine.value, dtype, batch_size, excluded)
+    summary = writing.summary(manifest)
+    records.finish(
+        "corpus",
+        cfg.name,
+        {**records.header("corpus", cfg), "out": str(out), **summary},
+        json_output,
+        lambda: display.stdout.print(
+            f"{out}: {summary['answers']:,} answers, {summary['answer_tokens']:,} answer tokens in "
+            f"{summary['shards']} shards, {summary['tokens_per_second']:.0f} answer tokens/s while writing",
+            highlight=False,
+        ),
+    )
 
 
 @command(
