@@ -20,7 +20,7 @@ import transformers
 from specdec_cli.bench.prompts import builtin_suite, select
 from specdec_cli.config import apply_overrides, load_config
 from specdec_cli.decoding.params import SamplingParams
-from specdec_cli.models.pair import cpu_name, load_pair
+from specdec_cli.pair import cpu_name, load_pair
 
 
 def tokens_per_second(decoder, prompts, tokens) -> float:

@@ -168,17 +168,17 @@ def generate(
     if batch_size != 1 and engine == Engine.vllm:
         raise SpecdecError("--batch-size is specdec's: vLLM schedules its own batches")
     if engine == Engine.vllm:
-        from specdec_cli.generate import generate_vllm
+        from specdec_cli.commands.generate import generate_vllm
 
         many = load_prompts(prompts) if prompts else [Prompt("1", "prompt", [read_prompt(prompt, prompt_file)])]
         return generate_vllm(cfg, many, raw, as_json)
     if prompts is not None:
         many = load_prompts(prompts)
-        from specdec_cli.generate import generate_many  # torch/transformers load only once arguments are fine
+        from specdec_cli.commands.generate import generate_many  # torch/transformers load only once arguments are fine
 
         return generate_many(cfg, many, raw, batch_size, as_json)
     text = read_prompt(prompt, prompt_file)
-    from specdec_cli.generate import generate_one
+    from specdec_cli.commands.generate import generate_one
 
     generate_one(cfg, text, raw, as_json)
 
@@ -297,7 +297,7 @@ def benchmark(
         engine.value,
     )
     selected = choose_prompts(prompts, category, limit)
-    from specdec_cli.benchmark import execute  # torch/transformers load only once arguments are fine
+    from specdec_cli.commands.benchmark import execute  # torch/transformers load only once arguments are fine
 
     execute(cfg, selected, plan, as_json, min_speedup, min_accept_length)
 
@@ -319,7 +319,7 @@ def compare(
     """Show two benchmark records side by side, matched by temperature and gamma or tree, with B / A
     ratios; runs nothing. Writes runs/<time>-compare-<A>-vs-<B>/ with the table (report.md) and both
     runs' charts side by side on shared scales (chart.png, chart.svg)."""
-    from specdec_cli.compare import compare as compare_records
+    from specdec_cli.commands.compare import compare as compare_records
 
     records.configure(runs_dir, record)
     compare_records(a, b, as_json)
@@ -372,7 +372,7 @@ def verify_distribution(
     sampler on synthetic (p, q) pairs, the first and deeper tokens of many seeded runs, and greedy
     identity (over max-new-tokens). Distribution checks use the config's sampling settings, at
     temperature 1 when the config is greedy. Exit code 0: all passed; 3: a check failed; 2: bad input."""
-    from specdec_cli.verify import verify_distribution as run_verification
+    from specdec_cli.commands.verify import verify_distribution as run_verification
 
     if temperature == 0:
         raise SpecdecError("the distribution checks need --temperature > 0 (greedy identity always runs)")
@@ -403,7 +403,8 @@ def verify_distribution(
   specdec distill --out drafts/y --target-layers=-1 --keep-work   # read only the target's last state\n
   specdec distill --out drafts/eagle3 --format eagle3\n
   specdec distill --out drafts/eagle3-speculators --format eagle3 --layout speculators\n
-  specdec distill --out drafts/z --answers drafts/my-draft/corpus.jsonl.gz --layers 2   # reuse a corpus"""
+  specdec distill --out drafts/z --answers drafts/my-draft/corpus.jsonl.gz --layers 2   # reuse a corpus\n
+  specdec distill --out drafts/big --answers corpus/smollm2-135m-instruct   # a corpus specdec corpus wrote"""
 )
 @reports_errors
 def distill(
@@ -416,8 +417,9 @@ def distill(
     answers: Annotated[
         Optional[Path],
         typer.Option(
-            help='JSONL (.gz) of {"prompt": ..., "answer": ...}: the target labels these answers instead of '
-            "writing its own (a saved draft's corpus.jsonl.gz, or your own conversations).",
+            help='JSONL (.gz) of {"prompt": ..., "answer": ...}, or a folder `specdec corpus` wrote: the target '
+            "labels these answers instead of writing its own (a saved draft's corpus.jsonl.gz, your own "
+            "conversations, or a corpus folder).",
         ),
     ] = None,
     layers: Annotated[int, typer.Option(min=1, help="Decoder layers of the draft.")] = 1,

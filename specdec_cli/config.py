@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from specdec_cli.decoding.params import TreeShape
 from specdec_cli.errors import SpecdecError, read_text
 
 BUILTIN_CONFIGS = Path(__file__).resolve().parent / "configs"  # package data, so a wheel has them too
@@ -73,7 +74,7 @@ class LookupSettings(NgramSettings):
 
 @dataclass
 class SuffixSettings:
-    """Suffix decoding (drafters/suffix.py), its settings named as vLLM names its suffix_decoding_*
+    """Suffix decoding (methods/suffix.py), its settings named as vLLM names its suffix_decoding_*
     ones. Alone, or ahead of a draft model as `lookup` is: then its blocks are up to
     `num_draft_tokens` long (None: the model's)."""
 
@@ -87,7 +88,7 @@ class SuffixSettings:
 
 @dataclass
 class RecyclingSettings:
-    """Token recycling (drafters/recycling.py): `candidates` next tokens kept per token."""
+    """Token recycling (methods/recycling.py): `candidates` next tokens kept per token."""
 
     candidates: int = 8
 
@@ -129,36 +130,6 @@ class Sampling:
     top_k: int = 0  # 0 means no top-k truncation
     top_p: float = 1.0  # 1 means no nucleus truncation
     seed: int = 0
-
-
-@dataclass(frozen=True)
-class TreeShape:
-    """A draft tree. Greedy, EAGLE-2's dynamic tree: per depth, the top_k children of the top_k most
-    probable frontier nodes are drafted; the max_nodes most probable nodes of all are verified in one
-    forward. Sampled, from a draft model: top_k children drawn from q per expanded node, all kept,
-    with max_nodes bounding how many nodes a depth expands (decoding/tree.py, sampled_growth)."""
-
-    depth: int = 4
-    top_k: int = 3
-    max_nodes: int = 16
-
-    @property
-    def candidates(self) -> int:
-        """Nodes drafted before the cut to max_nodes: top_k at depth 1, top_k * top_k at each depth after."""
-        return self.top_k + (self.depth - 1) * self.top_k**2
-
-    @property
-    def width(self) -> int:
-        """The most cache slots a block writes past the context: the target's tree, or the draft's frontiers."""
-        return max(self.max_nodes, self.depth * self.top_k)
-
-    @property
-    def spec(self) -> str:
-        """As --tree spells it: DEPTH,TOP_K,MAX_NODES."""
-        return f"{self.depth},{self.top_k},{self.max_nodes}"
-
-    def describe(self) -> str:
-        return f"tree {self.spec} (depth, top-k, nodes)"
 
 
 def parse_tree(text: str) -> TreeShape:
@@ -365,7 +336,7 @@ def apply_overrides(config: Config, overrides: dict[str, Any]) -> Config:
 MAX_DRAFT_TOKENS = 256  # tokens one target forward verifies, at most
 INT_LIMIT = 2**62  # torch's sizes and seeds are 64-bit integers, and sums of two settings must stay so
 TINY_PARAMETERS = 2**30  # a tiny model is for tests and smoke runs: 4 GiB in float32 at most
-BYTE_VOCAB = 258  # the byte tokenizer's (models/checkpoints.py), which tiny models use
+BYTE_VOCAB = 258  # the byte tokenizer's (loading/checkpoints.py), which tiny models use
 TINY_SIZES = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_position_embeddings")
 
 

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import yaml
+from typer.testing import CliRunner
 
+from specdec_cli.cli import app
 from specdec_cli.config import TinyModel
 from specdec_cli.decoding.cache import CachedModel
-from specdec_cli.models.checkpoints import build_tiny, byte_tokenizer
+from specdec_cli.loading.checkpoints import build_tiny, byte_tokenizer
 
 
 @pytest.fixture(autouse=True)
@@ -27,8 +30,21 @@ def tiny_target():
     return build_tiny(TinyModel(seed=0)).eval()
 
 
+@pytest.fixture(scope="session")
+def noisy_draft():
+    """The tiny target with its weights perturbed: a draft that agrees with it often, not always."""
+    return build_tiny(TinyModel(seed=0, noise=0.005)).eval()
+
+
 def cached(model) -> CachedModel:
     return CachedModel(model, model.config.vocab_size)
+
+
+def generate_json(*args: str) -> dict:
+    """`specdec generate --json` on "Hello there" with `args`: its record."""
+    run = CliRunner().invoke(app, ["generate", "-p", "Hello there", "--json", *args])
+    assert run.exit_code == 0, run.output
+    return json.loads(run.stdout)
 
 
 # training prompts of the tiny distillation runs (tests/test_distill.py, tests/test_eagle3_export.py)

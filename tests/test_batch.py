@@ -9,23 +9,22 @@ import torch
 from conftest import TINY_PAIR, cached
 from typer.testing import CliRunner
 
-from specdec_cli import verify
 from specdec_cli.bench.report import compare_report
 from specdec_cli.bench.summary import summarize_batches
 from specdec_cli.cli import app
-from specdec_cli.config import TinyModel, parse_config
-from specdec_cli.decoding import engine
+from specdec_cli.commands import verify
+from specdec_cli.config import parse_config
+from specdec_cli.decoding import sampling
 from specdec_cli.decoding.cache import CachedModel
 from specdec_cli.decoding.engine import SpeculativeDecoder
 from specdec_cli.decoding.params import SamplingParams
-from specdec_cli.drafters.feature import FeatureDrafter
-from specdec_cli.drafters.model import ModelDrafter
-from specdec_cli.drafters.ngram import NgramDrafter
 from specdec_cli.errors import EXIT_BAD_INPUT
-from specdec_cli.models.checkpoints import build_tiny
-from specdec_cli.models.feature_draft import init_draft
-from specdec_cli.models.pair import load_pair
-from specdec_cli.models.target_states import target_layers
+from specdec_cli.loading.target_states import target_layers
+from specdec_cli.methods.feature.draft import init_draft
+from specdec_cli.methods.feature.drafter import FeatureDrafter
+from specdec_cli.methods.model import ModelDrafter
+from specdec_cli.methods.ngram import NgramDrafter
+from specdec_cli.pair import load_pair
 
 PROMPTS = [
     "Hi",
@@ -35,11 +34,6 @@ PROMPTS = [
 ]
 GREEDY = SamplingParams()
 runner = CliRunner()
-
-
-@pytest.fixture(scope="module")
-def noisy_draft():
-    return build_tiny(TinyModel(seed=0, noise=0.005)).eval()
 
 
 def drafter_of(kind: str, target, noisy_draft):
@@ -211,13 +205,13 @@ def test_compare_matches_batch_size_rows():
 
 def read_the_next_rows_count(monkeypatch):
     """A batch bug: each row keeps as many drafts as the next row accepted."""
-    verify_sampled = engine.verify_sampled
+    verify_sampled = sampling.verify_sampled
 
     def broken(*args):
         num_accepted, next_token = verify_sampled(*args)
         return num_accepted.roll(1), next_token
 
-    monkeypatch.setattr(engine, "verify_sampled", broken)
+    monkeypatch.setattr(sampling, "verify_sampled", broken)
 
 
 def test_verify_catches_a_row_reading_another_rows_acceptance(batch_pair, monkeypatch):

@@ -21,8 +21,8 @@ from specdec_cli.cli import app
 from specdec_cli.config import TinyModel, parse_config
 from specdec_cli.decoding.metrics import StepRecord, per_token_acceptance
 from specdec_cli.errors import EXIT_BAD_INPUT, EXIT_GATE_FAILED
-from specdec_cli.models.checkpoints import build_tiny, byte_tokenizer
-from specdec_cli.models.pair import load_pair
+from specdec_cli.loading.checkpoints import build_tiny, byte_tokenizer
+from specdec_cli.pair import load_pair
 
 # draft identical to the target: every draft token is accepted, greedy or sampled
 SAME_PAIR = {

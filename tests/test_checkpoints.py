@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 from specdec_cli.cli import app
 from specdec_cli.config import TinyModel
 from specdec_cli.errors import EXIT_BAD_INPUT, out_of_memory
-from specdec_cli.models.checkpoints import build_tiny, byte_tokenizer
-from specdec_cli.models.feature_draft import init_draft, save_draft
+from specdec_cli.loading.checkpoints import build_tiny, byte_tokenizer
+from specdec_cli.methods.feature.draft import init_draft, save_draft
 
 runner = CliRunner()
 

@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 from specdec_cli.cli import app
 from specdec_cli.config import TinyModel
 from specdec_cli.errors import EXIT_BAD_INPUT, SpecdecError
-from specdec_cli.models.checkpoints import build_tiny, byte_tokenizer
-from specdec_cli.models.pair import resolve_device
+from specdec_cli.loading.checkpoints import build_tiny, byte_tokenizer
+from specdec_cli.pair import resolve_device
 
 runner = CliRunner()
 

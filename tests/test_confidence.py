@@ -7,28 +7,22 @@ import pytest
 import torch
 from conftest import cached
 
-from specdec_cli import verify
-from specdec_cli.config import TinyModel, TreeShape, load_config
+from specdec_cli.commands import verify
+from specdec_cli.config import load_config
 from specdec_cli.decoding.cache import CachedModel
 from specdec_cli.decoding.engine import SpeculativeDecoder
-from specdec_cli.decoding.params import SamplingParams
-from specdec_cli.drafters import model as model_drafters
-from specdec_cli.drafters.feature import FeatureDrafter
-from specdec_cli.drafters.model import ModelDrafter
-from specdec_cli.models.checkpoints import build_tiny
-from specdec_cli.models.feature_draft import init_draft
-from specdec_cli.models.pair import load_pair
-from specdec_cli.models.target_states import target_layers
+from specdec_cli.decoding.params import SamplingParams, TreeShape
+from specdec_cli.loading.target_states import target_layers
+from specdec_cli.methods import model as model_drafters
+from specdec_cli.methods.feature.draft import init_draft
+from specdec_cli.methods.feature.drafter import FeatureDrafter
+from specdec_cli.methods.model import ModelDrafter
+from specdec_cli.pair import load_pair
 
 GREEDY = SamplingParams()
 PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown", "Once upon a time, there", "abc abc"]
 GAMMA = 4
 TREE = TreeShape(3, 2, 6)
-
-
-@pytest.fixture(scope="module")
-def noisy_draft():
-    return build_tiny(TinyModel(seed=0, noise=0.005)).eval()
 
 
 def drafter(kind: str, target, noisy_draft, threshold: float):

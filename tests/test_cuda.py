@@ -18,8 +18,8 @@ from specdec_cli.decoding.engine import SpeculativeDecoder
 from specdec_cli.decoding.metrics import acceptance_rate
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.decoding.sampling import sample
-from specdec_cli.drafters.model import ModelDrafter
-from specdec_cli.models.checkpoints import build_tiny
+from specdec_cli.loading.checkpoints import build_tiny
+from specdec_cli.methods.model import ModelDrafter
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown"

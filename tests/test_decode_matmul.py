@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec_cli.models import decode_matmul
-from specdec_cli.models.decode_matmul import MAX_ROWS, detour, linear, time_products, use_decode_matmul
+from specdec_cli.loading import decode_matmul
+from specdec_cli.loading.decode_matmul import MAX_ROWS, detour, linear, time_products, use_decode_matmul
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (1, 2), (1, 5), (2, 3), (1, MAX_ROWS), (1, MAX_ROWS + 1), (7,)])

@@ -17,10 +17,11 @@ import pytest
 import torch
 import yaml
 from conftest import DISTILL_PROMPTS as PROMPTS
+from conftest import generate_json
 from typer.testing import CliRunner
 
-from specdec_cli import verify
 from specdec_cli.cli import app
+from specdec_cli.commands import verify
 from specdec_cli.config import load_config
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.distill import DistillSettings
@@ -37,12 +38,12 @@ from specdec_cli.distill.corpus import (
 )
 from specdec_cli.distill.train import draft_log_probs, split_heldout
 from specdec_cli.errors import EXIT_BAD_INPUT
-from specdec_cli.models.checkpoints import load_model
-from specdec_cli.models.feature_draft import DRAFT_INFO, init_draft
-from specdec_cli.models.feature_parts import feature_inputs, read_target
-from specdec_cli.models.pair import load_pair
-from specdec_cli.models.tokens import padding_id
+from specdec_cli.loading.checkpoints import load_model
+from specdec_cli.loading.tokens import padding_id
+from specdec_cli.methods.feature.draft import DRAFT_INFO, init_draft
+from specdec_cli.methods.feature.parts import feature_inputs, read_target
 from specdec_cli.options import EXIT_INTERRUPTED, configure
+from specdec_cli.pair import load_pair
 
 runner = CliRunner()
 
@@ -216,12 +217,6 @@ def test_bad_answer_files_are_refused(distilled, tmp_path, lines, message):
     assert refused.exit_code == EXIT_BAD_INPUT and message in refused.output, refused.output
     both = runner.invoke(app, [*args, "--prompts", str(answers)])
     assert both.exit_code == EXIT_BAD_INPUT and "exclude each other" in both.output
-
-
-def generate_json(*args: str) -> dict:
-    run = runner.invoke(app, ["generate", "-p", "Hello there", "--json", *args])
-    assert run.exit_code == 0, run.output
-    return json.loads(run.stdout)
 
 
 def test_greedy_output_is_the_targets(distilled):

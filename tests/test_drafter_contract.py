@@ -6,21 +6,22 @@ from __future__ import annotations
 
 import pytest
 import torch
+from block_checkpoints import pair_of, write_dflash
 from conftest import cached
-from test_block_drafts import pair_of, write_dflash
 
 from specdec_cli.config import TinyModel
 from specdec_cli.decoding.cache import CachedModel
+from specdec_cli.decoding.drafter import Drafter
 from specdec_cli.decoding.engine import SpeculativeDecoder
 from specdec_cli.decoding.params import SamplingParams
-from specdec_cli.drafters.block import BlockDrafter
-from specdec_cli.drafters.feature import FeatureDrafter
-from specdec_cli.drafters.lookup import LookupFirstDrafter
-from specdec_cli.drafters.model import ModelDrafter
-from specdec_cli.drafters.ngram import NgramDrafter
-from specdec_cli.models.checkpoints import build_tiny
-from specdec_cli.models.feature_draft import init_draft
-from specdec_cli.models.target_states import target_layers
+from specdec_cli.loading.checkpoints import build_tiny
+from specdec_cli.loading.target_states import target_layers
+from specdec_cli.methods.dflash.drafter import BlockDrafter
+from specdec_cli.methods.feature.draft import init_draft
+from specdec_cli.methods.feature.drafter import FeatureDrafter
+from specdec_cli.methods.lookup import LookupFirstDrafter
+from specdec_cli.methods.model import ModelDrafter
+from specdec_cli.methods.ngram import NgramDrafter
 
 # token ids: in three rows every id of the vocabulary occurs, so lookup of one token always finds a
 # continuation; in the last row half of them do: some blocks are lookup's, the others the model's
@@ -43,7 +44,7 @@ def held(drafter) -> list[int]:
     return [length + (0 if p is None else len(p)) + 1 for length, p in zip(drafter.lengths, drafter.pending)]
 
 
-class Checked:
+class Checked(Drafter):
     """Passes every call to the drafter, then checks `held` against the rows' context lengths."""
 
     def __init__(self, lookup_first: LookupFirstDrafter):

@@ -14,6 +14,7 @@ import pytest
 import torch
 import yaml
 from conftest import DISTILL_PROMPTS as PROMPTS
+from conftest import generate_json
 from safetensors import safe_open
 from typer.testing import CliRunner
 
@@ -24,16 +25,16 @@ from specdec_cli.decoding.cache import CachedModel
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.distill.corpus import add_target_features, build_corpus
 from specdec_cli.distill.train import evaluate
-from specdec_cli.drafters.feature import FeatureDrafter
 from specdec_cli.errors import EXIT_BAD_INPUT
-from specdec_cli.models import eagle3_draft
-from specdec_cli.models.checkpoints import build_tiny, byte_tokenizer
-from specdec_cli.models.draft_folder import DraftFolder
-from specdec_cli.models.eagle3_draft import INFO
-from specdec_cli.models.feature_draft import DRAFT_INFO
-from specdec_cli.models.formats import recognise
-from specdec_cli.models.pair import load_pair
-from specdec_cli.models.tokens import padding_id
+from specdec_cli.loading.checkpoints import build_tiny, byte_tokenizer
+from specdec_cli.loading.draft_folder import DraftFolder
+from specdec_cli.loading.tokens import padding_id
+from specdec_cli.methods.feature import eagle3_export
+from specdec_cli.methods.feature.draft import DRAFT_INFO
+from specdec_cli.methods.feature.drafter import FeatureDrafter
+from specdec_cli.methods.feature.eagle3_export import INFO
+from specdec_cli.methods.formats import recognise
+from specdec_cli.pair import load_pair
 
 runner = CliRunner()
 
@@ -129,7 +130,7 @@ def test_the_speculators_layout_holds_the_same_draft(exported, tmp_path, capsys)
     nested, `layers.0.*`, norm_before_residual written out), loaded back as the same draft."""
     target = build_tiny(TinyModel(seed=0, num_layers=LAYERS))
     out = tmp_path / "speculators"
-    eagle3_draft.save_eagle3(exported.draft, target, out, exported.info, "speculators")
+    eagle3_export.save_eagle3(exported.draft, target, out, exported.info, "speculators")
     config = json.loads((out / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3" and "model_type" not in config
     assert config["norm_before_residual"] is False and config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
@@ -230,12 +231,6 @@ def test_it_loads_back_and_drafts_what_the_trained_draft_drafted(exported, capsy
         assert loaded == kept
         assert torch.equal(q_loaded == 0, q_kept == 0)  # the draft vocabulary only
         torch.testing.assert_close(q_loaded, q_kept, atol=1e-5, rtol=1e-4)
-
-
-def generate_json(*args: str) -> dict:
-    run = runner.invoke(app, ["generate", "-p", "Hello there", "--json", *args])
-    assert run.exit_code == 0, run.output
-    return json.loads(run.stdout)
 
 
 def test_greedy_output_is_the_targets(exported):

@@ -14,20 +14,16 @@ from specdec_cli.decoding.cache import right_padded
 from specdec_cli.decoding.engine import SpeculativeDecoder
 from specdec_cli.decoding.metrics import acceptance_rate, mean_accepted_length
 from specdec_cli.decoding.params import SamplingParams
-from specdec_cli.drafters.feature import FeatureDrafter
-from specdec_cli.drafters.model import ModelDrafter
-from specdec_cli.drafters.ngram import NgramDrafter
+from specdec_cli.decoding.verification import BlockVerification, TokenVerification
 from specdec_cli.errors import SpecdecError
-from specdec_cli.models.checkpoints import build_tiny
-from specdec_cli.models.feature_draft import init_draft
+from specdec_cli.loading.checkpoints import build_tiny
+from specdec_cli.methods.feature.draft import init_draft
+from specdec_cli.methods.feature.drafter import FeatureDrafter
+from specdec_cli.methods.model import ModelDrafter
+from specdec_cli.methods.ngram import NgramDrafter
 
 GREEDY = SamplingParams()
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown"
-
-
-@pytest.fixture(scope="module")
-def noisy_draft():
-    return build_tiny(TinyModel(seed=0, noise=0.005)).eval()
 
 
 def target_only(model, prompt_ids, max_new, params=GREEDY, seed=0, eos=frozenset()):
@@ -215,16 +211,14 @@ def test_block_verification_in_the_loop(tiny_target, noisy_draft, tokenizer):
     drafts, the same random draws), an identical draft keeps every draft, and a noisy one some."""
     prompt, sampled = tokenizer.encode(PROMPT), SamplingParams(temperature=1.0)
     alone = [
-        SpeculativeDecoder(cached(tiny_target), None, sampled, 1, set(), verification=rule)
-        .generate(prompt, 24, 0)
-        .token_ids
-        for rule in ("token", "block")
+        SpeculativeDecoder(cached(tiny_target), None, sampled, 1, set(), rule=rule).generate(prompt, 24, 0).token_ids
+        for rule in (TokenVerification(), BlockVerification())
     ]
     assert alone[0] == alone[1]
     rates = [
         acceptance_rate(
             SpeculativeDecoder(
-                cached(tiny_target), ModelDrafter(cached(draft)), sampled, 3, set(), verification="block"
+                cached(tiny_target), ModelDrafter(cached(draft)), sampled, 3, set(), rule=BlockVerification()
             )
             .generate(prompt, 32, 0)
             .steps

@@ -23,15 +23,15 @@ from huggingface_hub.utils import filter_repo_objects
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from specdec_cli import verify
 from specdec_cli.cli import app
+from specdec_cli.commands import verify
 from specdec_cli.config import TinyModel, load_config
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.errors import EXIT_BAD_INPUT
-from specdec_cli.models.checkpoints import build_tiny, byte_tokenizer
-from specdec_cli.models.feature_parts import FEATURES
-from specdec_cli.models.formats import DRAFT_FORMAT, load_format
-from specdec_cli.models.pair import load_pair
+from specdec_cli.loading.checkpoints import build_tiny, byte_tokenizer
+from specdec_cli.methods.feature.parts import FEATURES
+from specdec_cli.methods.formats import DRAFT_FORMAT, load_format
+from specdec_cli.pair import load_pair
 
 runner = CliRunner()
 

@@ -34,7 +34,7 @@ from typer.testing import CliRunner
 
 from specdec_cli.cli import main
 from specdec_cli.config import Config, TinyModel
-from specdec_cli.models.checkpoints import build_tiny, byte_tokenizer
+from specdec_cli.loading.checkpoints import build_tiny, byte_tokenizer
 
 EXAMPLES = int(os.environ.get("SPECDEC_FUZZ_EXAMPLES", "60"))
 CASE_SECONDS = 120  # a case that runs longer is a hang: it ends the run instead of stalling it

@@ -21,10 +21,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from specdec_cli.config import TinyModel, load_config
 from specdec_cli.decoding import host
 from specdec_cli.decoding.params import SamplingParams
-from specdec_cli.drafters.model import confident
-from specdec_cli.models.checkpoints import build_tiny, byte_tokenizer
-from specdec_cli.models.feature_draft import init_draft, save_draft
-from specdec_cli.models.pair import load_pair
+from specdec_cli.loading.checkpoints import build_tiny, byte_tokenizer
+from specdec_cli.methods.feature.draft import init_draft, save_draft
+from specdec_cli.methods.model import confident
+from specdec_cli.pair import load_pair
 
 PROMPTS = ["Hello there, how are you?", "abc abc abc abc abc", "Once upon a time", "The quick brown fox"]
 READS = {

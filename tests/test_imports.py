@@ -1,6 +1,6 @@
 """specdec's modules import one another without a circle: every import, at the top, inside a
-function or only for type checking, read from the source. A format module (models/eagle.py,
-dflash.py, ...) needs nothing from the registry that lists it (models/formats.py)."""
+function or only for type checking, read from the source. A format module (methods/feature/eagle.py,
+dflash.py, ...) needs nothing from the registry that lists it (methods/formats.py)."""
 
 from __future__ import annotations
 
@@ -34,5 +34,43 @@ def imports() -> dict[str, set[str]]:
 def test_no_import_circle():
     graph = imports()
     # the registry imports every format module, so a format module that needed it would close a circle
-    assert {"specdec_cli.models.dflash", "specdec_cli.models.medusa"} <= graph["specdec_cli.models.formats"]
+    assert {"specdec_cli.methods.dflash.checkpoint", "specdec_cli.methods.medusa.checkpoint"} <= graph[
+        "specdec_cli.methods.formats"
+    ]
     graphlib.TopologicalSorter(graph).prepare()  # CycleError names the circle
+
+
+# the floors of the house, top to bottom: a module imports its own floor's modules and lower ones only
+FLOORS = [
+    ("command line", ["cli", "__main__", "options"]),
+    ("commands", ["commands", "bench", "distill", "vllm_engine"]),
+    ("assembly", ["pair"]),
+    ("drafting methods", ["methods"]),
+    ("loading", ["loading"]),
+    ("config", ["config"]),
+    ("core", ["decoding"]),
+    ("shared", ["records", "display", "errors"]),
+]
+
+
+def floor(module: str) -> int:
+    part = module.removeprefix("specdec_cli.").split(".")[0]
+    return next(i for i, (_, parts) in enumerate(FLOORS) if part in parts)
+
+
+def test_no_import_runs_back_up():
+    graph = {m: deps for m, deps in imports().items() if m != "specdec_cli"}
+    upward = [f"{m} -> {d}" for m, deps in graph.items() for d in deps if d != "specdec_cli" and floor(d) < floor(m)]
+    assert upward == []
+
+
+def test_the_core_and_the_methods_read_no_config():
+    """Only the assembly (pair.py) and the commands turn a config into the core's types and a method's settings."""
+    readers = [
+        f"{m} -> {d}"
+        for m, deps in imports().items()
+        if m.startswith(("specdec_cli.decoding", "specdec_cli.methods"))
+        for d in deps
+        if d.startswith("specdec_cli.config")
+    ]
+    assert readers == []

@@ -6,18 +6,19 @@ import pytest
 import torch
 from conftest import TINY_PAIR, cached
 
-from specdec_cli import verify
-from specdec_cli.config import TinyModel, TreeShape, parse_config
+from specdec_cli.commands import verify
+from specdec_cli.config import TinyModel, parse_config
+from specdec_cli.decoding.drafter import Drafter
 from specdec_cli.decoding.engine import SpeculativeDecoder
-from specdec_cli.decoding.params import SamplingParams
-from specdec_cli.drafters.feature import FeatureDrafter
-from specdec_cli.drafters.lookup import LookupFirstDrafter
-from specdec_cli.drafters.model import ModelDrafter
-from specdec_cli.drafters.ngram import NgramDrafter
+from specdec_cli.decoding.params import SamplingParams, TreeShape
 from specdec_cli.errors import SpecdecError
-from specdec_cli.models.checkpoints import build_tiny
-from specdec_cli.models.feature_draft import init_draft
-from specdec_cli.models.pair import load_pair
+from specdec_cli.loading.checkpoints import build_tiny
+from specdec_cli.methods.feature.draft import init_draft
+from specdec_cli.methods.feature.drafter import FeatureDrafter
+from specdec_cli.methods.lookup import LookupFirstDrafter
+from specdec_cli.methods.model import ModelDrafter
+from specdec_cli.methods.ngram import NgramDrafter
+from specdec_cli.pair import load_pair
 
 PROMPT = "Copy this: the cat sat on the mat. Again: the cat sat on the mat. Once more: the cat"
 
@@ -32,7 +33,7 @@ def hybrid(target, kind: str) -> LookupFirstDrafter:
     return LookupFirstDrafter(NgramDrafter(3, 2, vocab, torch.device("cpu")), model)
 
 
-class Counting:
+class Counting(Drafter):
     """Wraps the hybrid to count which side drafted each block (the drafter itself is the real one)."""
 
     def __init__(self, drafter):

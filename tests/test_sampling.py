@@ -19,7 +19,7 @@ from specdec_cli.decoding.sampling import (
     verify_sampled,
     warp,
 )
-from specdec_cli.drafters.model import draft_token, stack_drafts
+from specdec_cli.methods.model import draft_token, stack_drafts
 
 
 def test_acceptance_matches_the_notes_examples():

@@ -9,7 +9,7 @@ import pytest
 from specdec_cli.config import load_config
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.errors import FetchError
-from specdec_cli.models.pair import load_pair
+from specdec_cli.pair import load_pair
 
 PROMPTS = [
     "Summarize in one sentence: The river rose after three days of rain. The river flooded the low "

@@ -1,4 +1,4 @@
-"""One convention for the target states a draft reads (models/target_states.py): transformers'
+"""One convention for the target states a draft reads (loading/target_states.py): transformers'
 `hidden_states` indices, checked in one place against the states each reader can read."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from specdec_cli.errors import SpecdecError
-from specdec_cli.models.target_states import check_states, from_outputs
+from specdec_cli.loading.target_states import check_states, from_outputs
 
 L = 4  # target layers: hidden states 0 .. 4, 4 after the final norm
 

@@ -1,5 +1,5 @@
-"""Drafters that need no training: suffix decoding (drafters/suffix.py) and token recycling
-(drafters/recycling.py). Their structures hold what they say (substring counts, the shared cache of
+"""Drafters that need no training: suffix decoding (methods/suffix.py) and token recycling
+(methods/recycling.py). Their structures hold what they say (substring counts, the shared cache of
 earlier answers, the adjacency table, the tree template); on the tiny target greedy output is the
 target's alone and sampled output is distributed as the target's, for chains, trees, batches and
 suffix decoding ahead of a draft model; and a q that is not their drafts' one-hot is caught."""
@@ -12,12 +12,12 @@ from collections import Counter
 import pytest
 import torch
 
-from specdec_cli import verify
-from specdec_cli.config import SuffixSettings, TreeShape, load_config
-from specdec_cli.decoding.params import SamplingParams
-from specdec_cli.drafters.recycling import RecyclingDrafter, template
-from specdec_cli.drafters.suffix import CachedAnswer, GrowingTrie, SuffixDrafter, SuffixTrie
-from specdec_cli.models.pair import load_pair
+from specdec_cli.commands import verify
+from specdec_cli.config import SuffixSettings, load_config
+from specdec_cli.decoding.params import SamplingParams, TreeShape
+from specdec_cli.methods.recycling import RecyclingDrafter, template
+from specdec_cli.methods.suffix import CachedAnswer, GrowingTrie, SuffixDrafter, SuffixTrie
+from specdec_cli.pair import load_pair, suffix_drafter
 
 CPU = torch.device("cpu")
 TREE = {"depth": 3, "top_k": 2, "max_nodes": 6}
@@ -72,7 +72,7 @@ def test_a_trie_counts_every_substring_up_to_its_depth_and_forgets_what_is_taken
 
 
 def drafter(**settings) -> SuffixDrafter:
-    return SuffixDrafter(SuffixSettings(**settings), 258, CPU)
+    return suffix_drafter(SuffixSettings(**settings), 258, CPU)
 
 
 def test_suffix_decoding_drafts_the_most_frequent_continuation_of_the_best_match():

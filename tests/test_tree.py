@@ -14,22 +14,23 @@ from conftest import cached
 from scipy import stats
 from typer.testing import CliRunner
 
-from specdec_cli import verify
 from specdec_cli.cli import app
-from specdec_cli.config import TinyModel, TreeShape, load_config
+from specdec_cli.commands import verify
+from specdec_cli.config import TinyModel, load_config
 from specdec_cli.decoding import tree
 from specdec_cli.decoding.cache import CachedModel
+from specdec_cli.decoding.drafter import Drafter
 from specdec_cli.decoding.engine import SpeculativeDecoder
-from specdec_cli.decoding.params import SamplingParams
+from specdec_cli.decoding.params import SamplingParams, TreeShape
 from specdec_cli.decoding.sampling import residual, sample
-from specdec_cli.drafters.feature import FeatureDrafter
-from specdec_cli.drafters.model import ModelDrafter
 from specdec_cli.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED
-from specdec_cli.models.checkpoints import build_tiny
-from specdec_cli.models.feature_draft import init_draft
-from specdec_cli.models.feature_parts import feature_inputs
-from specdec_cli.models.pair import load_pair
-from specdec_cli.models.target_states import target_layers
+from specdec_cli.loading.checkpoints import build_tiny
+from specdec_cli.loading.target_states import target_layers
+from specdec_cli.methods.feature.draft import init_draft
+from specdec_cli.methods.feature.drafter import FeatureDrafter
+from specdec_cli.methods.feature.parts import feature_inputs
+from specdec_cli.methods.model import ModelDrafter
+from specdec_cli.pair import load_pair
 
 SIGNIFICANCE = 0.01
 PROMPTS = [
@@ -468,7 +469,7 @@ def test_greedy_trees_are_the_target_alone(tiny_target, noisy_draft, tokenizer, 
         assert max(s.accepted for s in one.steps) >= 1
 
 
-class CheckedTree:
+class CheckedTree(Drafter):
     """Passes every call to a model or feature drafter; after start, commit_tree and keep, checks that
     its cache holds the rows' contexts but `pending`; a draft model's with the keys and values a fresh
     prefill of them gives (right tokens, right positions, nothing of a rejected branch)."""
@@ -561,7 +562,7 @@ def test_greedy_feature_trees_are_the_target_alone(tiny_target, tokenizer, shape
 
 
 def test_a_feature_draft_holds_the_context_after_every_tree(tiny_target, tokenizer):
-    """Its rule (drafters/feature.py): cache + pending + 1 = the context, after every call."""
+    """Its rule (methods/feature/drafter.py): cache + pending + 1 = the context, after every call."""
     draft = feature_draft(tiny_target)
     checked = CheckedTree(FeatureDrafter(draft, draft.config.vocab_size))
     target = CachedModel(tiny_target, tiny_target.config.vocab_size, target_layers(draft))

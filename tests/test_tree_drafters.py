@@ -12,14 +12,14 @@ import torch
 from test_block_drafts import TARGET, write_dflash, write_medusa_vllm
 from test_tree import ONE_THREAD, SIGNIFICANCE, failing, siblings_tested_against_p, tree_paths
 
-from specdec_cli import verify
-from specdec_cli.config import TreeShape, load_config
+from specdec_cli.commands import verify
+from specdec_cli.config import load_config
 from specdec_cli.decoding import tree
-from specdec_cli.decoding.params import SamplingParams
-from specdec_cli.drafters.block import BlockDrafter
-from specdec_cli.drafters.medusa import MedusaDrafter
-from specdec_cli.drafters.ngram import NgramDrafter
-from specdec_cli.models.pair import load_pair
+from specdec_cli.decoding.params import SamplingParams, TreeShape
+from specdec_cli.methods.dflash.drafter import BlockDrafter
+from specdec_cli.methods.medusa.drafter import MedusaDrafter
+from specdec_cli.methods.ngram import NgramDrafter
+from specdec_cli.pair import load_pair
 
 PROMPTS = ["Hello there, how are you?", "H", "abc abc abc abc", "Once upon a time, in a land far away"]
 SHAPES = [TreeShape(3, 2, 6), TreeShape(2, 3, 9), TreeShape(4, 1, 4)]

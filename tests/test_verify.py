@@ -17,15 +17,16 @@ import torch
 from test_sampling import block_acceptance_with_token_residual, verify_block_stopping_at_the_first_failure
 from typer.testing import CliRunner
 
-from specdec_cli import verify
 from specdec_cli.cli import app
+from specdec_cli.commands import verify
 from specdec_cli.config import load_config
-from specdec_cli.decoding import engine, sampling
+from specdec_cli.decoding import sampling
 from specdec_cli.decoding.cache import CachedModel
 from specdec_cli.decoding.params import SamplingParams
-from specdec_cli.drafters.model import ModelDrafter
+from specdec_cli.decoding.verification import SampledChain
 from specdec_cli.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED
-from specdec_cli.models.pair import load_pair
+from specdec_cli.methods.model import ModelDrafter
+from specdec_cli.pair import load_pair
 
 PARAMS = SamplingParams(temperature=0.6)  # not 1, so that "warped at T squared" differs from T
 VOCAB = 258  # the tiny pair's byte vocabulary
@@ -73,7 +74,7 @@ def broken_verify_sampled(inverted_ratio: bool = False, bonus_from_last_draft: b
 
 def patch_verify(monkeypatch, function) -> None:
     monkeypatch.setattr(sampling, "verify_sampled", function)
-    monkeypatch.setattr(engine, "verify_sampled", function)  # the engine imported it by name
+    monkeypatch.setattr(sampling, "verify_sampled", function)  # the rule looks it up when called
 
 
 def report_q_at_squared_temperature(monkeypatch) -> None:
@@ -131,7 +132,9 @@ def misreport_q_after_the_first_block(monkeypatch) -> None:
 def warp_without_top_k(monkeypatch) -> None:
     """The engine warps the target's logits without top-k: it emits tokens the target never would."""
     warp = sampling.warp
-    monkeypatch.setattr(engine, "warp", lambda logits, params: warp(logits, replace(params, top_k=0)))
+    monkeypatch.setattr(
+        SampledChain, "warp", staticmethod(lambda logits, params: warp(logits, replace(params, top_k=0)))
+    )
 
 
 # ---------------------------------------------------------------- statistics
@@ -220,7 +223,7 @@ def test_sampler_check_passes_on_the_real_sampler(verification):
     rows = sampler_rows(verification)
     assert failing(rows) == []
     assert len(rows) == 11  # exact formula, 9 shapes, bonus
-    assert sum(what.startswith(f"{verify.VERIFIERS[verification]} draws") for what in rows) == 9
+    assert sum(what.startswith(f"{verification} verification draws") for what in rows) == 9
 
 
 def test_sampler_check_fails_on_broken_block_verification(monkeypatch):
@@ -230,7 +233,7 @@ def test_sampler_check_fails_on_broken_block_verification(monkeypatch):
     ]
     monkeypatch.undo()
     monkeypatch.setattr(sampling, "verify_block", verify_block_stopping_at_the_first_failure)
-    assert failing(sampler_rows("block")) == ["verify_block draws of 2 drafts, tokens 1 and 2: flat p, flat q"]
+    assert failing(sampler_rows("block")) == ["block verification draws of 2 drafts, tokens 1 and 2: flat p, flat q"]
 
 
 def test_sampler_check_fails_without_the_clamp(monkeypatch):
@@ -270,7 +273,7 @@ def block_pair(write_config):
 
 def test_model_checks_pass_on_block_verification_and_catch_a_broken_one(block_pair, monkeypatch):
     assert failing(model_rows(block_pair, SamplingParams(temperature=0.6, top_k=20, top_p=0.9), batch_size=4)) == []
-    monkeypatch.setattr(engine, "verify_block", verify_block_stopping_at_the_first_failure)
+    monkeypatch.setattr(sampling, "verify_block", verify_block_stopping_at_the_first_failure)
     assert failing(model_rows(block_pair))
 
 
@@ -379,4 +382,4 @@ def test_command_checks_block_verification(write_config):
     assert result.exit_code == 0, result.output
     record = json.loads(result.stdout)
     assert record["verdict"] == "pass" and record["config"]["speculation"]["verification"] == "block"
-    assert any(row["what"].startswith("verify_block draws") for row in record["checks"])
+    assert any(row["what"].startswith("block verification draws") for row in record["checks"])

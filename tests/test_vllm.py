@@ -30,7 +30,7 @@ from specdec_cli.config import (
 from specdec_cli.decoding.metrics import acceptance_by_position, mean_accepted_length
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.errors import SpecdecError
-from specdec_cli.models.pair import load_pair
+from specdec_cli.pair import load_pair
 from specdec_cli.vllm_engine.client import PYTHON_ENV, VllmWorker, failure_line, vllm_python
 from specdec_cli.vllm_engine.settings import (
     engine_settings,

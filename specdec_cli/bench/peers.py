@@ -21,9 +21,9 @@ from specdec_cli.bench.report import LOOKUP_NOTE, PEER_FAIRNESS
 from specdec_cli.config import NgramSettings
 from specdec_cli.decoding.engine import GenerationResult
 from specdec_cli.decoding.params import SamplingParams
-from specdec_cli.drafters.model import ModelDrafter
-from specdec_cli.drafters.ngram import NgramDrafter
-from specdec_cli.models.pair import Pair
+from specdec_cli.methods.model import ModelDrafter
+from specdec_cli.methods.ngram import NgramDrafter
+from specdec_cli.pair import Pair
 
 
 def hf_drafting(pair: Pair) -> tuple[str, str | None]:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from specdec_cli.bench.prompts import Prompt, builtin_suite, load_prompts, select
 from specdec_cli.bench.report import drafting_label, rule_label, temperature_label
-from specdec_cli.config import VERIFICATIONS, Config, TreeShape
-from specdec_cli.decoding.params import SamplingParams
+from specdec_cli.config import VERIFICATIONS, Config
+from specdec_cli.decoding.params import SamplingParams, TreeShape
 from specdec_cli.errors import SpecdecError
 
 SPECDEC, HF, VLLM = "specdec", "hf", "vllm"  # engines; HF alone is transformers' plain generate()

@@ -12,7 +12,7 @@ from specdec_cli.bench.measure import BatchGenerate, Measure, TurnGenerator
 from specdec_cli.bench.plan import SPECDEC, Mode, Plan
 from specdec_cli.bench.prompts import Prompt
 from specdec_cli.decoding.engine import SpeculativeDecoder
-from specdec_cli.models.pair import Pair
+from specdec_cli.pair import Pair
 
 WARMUP_TOKENS = 32  # enough for one-time costs (allocations, thread pools); not the full length
 

@@ -18,9 +18,9 @@ from specdec_cli.bench.run import OnBatch, OnRun, run_batches, run_benchmark
 from specdec_cli.config import Config
 from specdec_cli.decoding.engine import GenerationResult
 from specdec_cli.errors import SpecdecError
-from specdec_cli.models.checkpoints import load_tokenizer, model_folder
-from specdec_cli.models.pair import Pair, check_fits, resolve_device, resolve_dtype
-from specdec_cli.models.tokens import encode_prompt
+from specdec_cli.loading.checkpoints import load_tokenizer, model_folder
+from specdec_cli.loading.tokens import encode_prompt
+from specdec_cli.pair import Pair, check_fits, resolve_device, resolve_dtype
 from specdec_cli.vllm_engine.client import VllmWorker
 from specdec_cli.vllm_engine.settings import engine_settings, generation_results, sampling, speculative_config
 

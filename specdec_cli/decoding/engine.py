@@ -18,9 +18,9 @@ from typing import NamedTuple
 
 import torch
 
-from specdec_cli.config import TreeShape
 from specdec_cli.decoding import tree as trees
 from specdec_cli.decoding.cache import CachedModel, Output, right_padded
+from specdec_cli.decoding.drafter import NOT_DRAFTED, Drafter
 from specdec_cli.decoding.host import to_device, to_host
 from specdec_cli.decoding.metrics import (
     StepRecord,
@@ -33,9 +33,8 @@ from specdec_cli.decoding.metrics import (
     vllm_counters,
     vllm_mean_acceptance_length,
 )
-from specdec_cli.decoding.params import SamplingParams
-from specdec_cli.decoding.sampling import verify_block, verify_greedy, verify_sampled, warp
-from specdec_cli.drafters.base import NOT_DRAFTED, Drafter
+from specdec_cli.decoding.params import SamplingParams, TreeShape
+from specdec_cli.decoding.verification import ChainRule, chain_rule, tree_rule
 
 # called after each block with the tokens it added and how many of them were accepted draft tokens
 OnTokens = Callable[[list[int], int], None]
@@ -186,10 +185,10 @@ class SpeculativeDecoder:
         num_draft_tokens: int,
         eos_token_ids: set[int],
         tree: TreeShape | None = None,
-        verification: str = "token",  # sampled chains: "token" (verify_sampled) or "block" (verify_block)
+        rule: ChainRule | None = None,
     ):
-        """`tree`: draft trees of this shape instead of chains of num_draft_tokens (the drafter must
-        have `propose_tree` and `commit_tree`)."""
+        """`tree`: draft trees of this shape instead of chains of num_draft_tokens. `rule`: how chains
+        are verified (default: greedy's, or token by token when sampling); trees have their own."""
         self.target = target
         self.drafter = drafter
         self.params = params
@@ -198,10 +197,11 @@ class SpeculativeDecoder:
         self.gamma = 0 if drafter is None else tree.depth if tree else num_draft_tokens
         self.width = tree.width if self.tree else self.gamma  # slots a block writes past the context
         self.eos_token_ids = eos_token_ids
-        self.verification = verification
+        self.chain_rule = rule or chain_rule(params)
+        self.tree_rule = tree_rule(params)
         self.clock = Clock(target.device)
         # a drafter that learns from the verifications' logits (token recycling's table) reads them here
-        self.observe = getattr(drafter, "observe", None)
+        self.observe = drafter.observe if drafter is not None and drafter.observes else None
 
     def generate(
         self,
@@ -313,14 +313,7 @@ class SpeculativeDecoder:
         verified = self.target.forward(torch.cat([last_token, drafts.clamp_min(0)], dim=1), hidden=wants_states)
         if self.observe is not None:  # after the block's drafts are fixed: it shapes only later blocks
             self.observe(torch.cat([last_token, drafts], dim=1), verified.logits)
-        if self.params.greedy:
-            num_accepted, next_token = verify_greedy(drafts, verified.logits)
-        else:
-            target_probs = warp(verified.logits, self.params)
-            if draft_probs is None:  # target-only: nothing to test, sample from p
-                draft_probs = target_probs[:, :0]
-            verify = verify_block if self.verification == "block" else verify_sampled
-            num_accepted, next_token = verify(drafts, draft_probs, target_probs, generator)
+        num_accepted, next_token = self.chain_rule.verify(drafts, draft_probs, verified.logits, self.params, generator)
         return drafts, num_accepted, next_token, verified, draft_end
 
     def _tree_block(
@@ -336,10 +329,7 @@ class SpeculativeDecoder:
         verified = self.target.forward(torch.cat([last_token, tree.tokens], dim=1), region=region, hidden=wants_states)
         if self.observe is not None:
             self.observe(torch.cat([last_token, tree.tokens.masked_fill(tree.parents < 0, -1)], dim=1), verified.logits)
-        if self.params.greedy:
-            num_accepted, next_token, path = trees.verify_greedy(tree, verified.logits)
-        else:
-            num_accepted, next_token, path = trees.verify_sampled(tree, verified.logits, self.params, generator)
+        num_accepted, next_token, path = self.tree_rule.verify(tree, verified.logits, self.params, generator)
         path_tokens = tree.tokens.gather(1, (path[:, 1:] - 1).clamp_min(0))
         # past the row's deepest node it drafted nothing (a row lookup found less for, placeholders)
         drafted = torch.arange(path_tokens.shape[1], device=path.device) < region.depths.max(dim=1, keepdim=True).values

@@ -25,9 +25,8 @@ from typing import NamedTuple
 
 import torch
 
-from specdec_cli.config import TreeShape
 from specdec_cli.decoding.host import to_device
-from specdec_cli.decoding.params import SamplingParams
+from specdec_cli.decoding.params import SamplingParams, TreeShape
 from specdec_cli.decoding.sampling import residual, sample, spread, warp
 
 

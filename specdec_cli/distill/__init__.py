@@ -10,12 +10,12 @@
    The corpus is saved as text beside the draft; given answers (that file, or any conversations),
    the target labels them instead of writing its own, in one forward pass each that also keeps the
    hidden states.
-2. Draft (models/feature_draft.py): a feature draft of a few decoder layers initialised from chosen
+2. Draft (methods/feature/draft.py): a feature draft of a few decoder layers initialised from chosen
    (default: evenly spaced) target layers, reading chosen target hidden states (default: EAGLE-3's
    three, fused); the target's embedding, and the target's head
    restricted to the tokens that carry most of the target's probability mass in the corpus. With
    `format="eagle3"` it is EAGLE-3's architecture instead (one layer reading 3 target layers, its own
-   head rows over that vocabulary), saved in the layout serving engines load (models/eagle3_draft.py).
+   head rows over that vocabulary), saved in the layout serving engines load (methods/feature/eagle3_export.py).
 3. Training: cross-entropy of the draft against the target's top-k distribution (KL up to a
    constant) at every answer position, as the 1st draft token (reading the target's states) and as
    the 2nd, 3rd ... (reading its own for the tokens before it in the draft: `draft_log_probs`
@@ -43,12 +43,12 @@ from specdec_cli.distill.corpus import ANSWERS, build_corpus, label_answers, rea
 from specdec_cli.distill.settings import EAGLE3_LAYOUTS, FORMATS, DistillSettings, read_layers
 from specdec_cli.distill.state import WORK, save
 from specdec_cli.distill.train import train
+from specdec_cli.distill.writing import read_corpus
 from specdec_cli.errors import SpecdecError
-from specdec_cli.models import eagle3_draft
-from specdec_cli.models.checkpoints import load_model
-from specdec_cli.models.feature_draft import check_target_layers, starting_layers
-from specdec_cli.models.pair import resolve_device, resolve_dtype
-from specdec_cli.models.tokens import padding_id
+from specdec_cli.loading.tokens import padding_id
+from specdec_cli.methods.feature import eagle3_export
+from specdec_cli.methods.feature.draft import check_target_layers, starting_layers
+from specdec_cli.pair import load_checkpoint, resolve_device, resolve_dtype
 
 __all__ = ["DistillSettings", "distill"]
 
@@ -70,17 +70,19 @@ def distill(
     # the very labels it will be checked against
     dtype = resolve_dtype(cfg.runtime.dtype, device)
     with display.stderr.status(f"Loading {cfg.target.describe()}..."):
-        target, tokenizer = load_model(cfg.target, device, dtype)
+        target, tokenizer = load_checkpoint(cfg.target, device, dtype)
     check_target_layers(read_layers(settings, target), target.config)  # before an hour of corpus
     if settings.format == "eagle3":
-        eagle3_draft.check_taps(read_layers(settings, target), target.config.num_hidden_layers, settings.num_layers)
+        eagle3_export.check_taps(read_layers(settings, target), target.config.num_hidden_layers, settings.num_layers)
     starting_layers(target.config, settings.num_layers, settings.init_layers)
     work = out / WORK  # corpus and training state: what a resumed run continues from
     work.mkdir(parents=True, exist_ok=True)
     if answers:
         corpus = label_answers(
             target,
-            read_answers(answers, tokenizer, settings.answer_tokens),
+            read_corpus(answers, settings.answer_tokens)
+            if answers.is_dir()
+            else read_answers(answers, tokenizer, settings.answer_tokens),
             padding_id(tokenizer),
             settings.top_k,
             work,

@@ -17,7 +17,7 @@ from specdec_cli.distill.batches import pad_right
 from specdec_cli.distill.settings import DistillSettings
 from specdec_cli.distill.state import load_kept, save_whole
 from specdec_cli.errors import SpecdecError
-from specdec_cli.models.tokens import encode_prompt, eos_token_ids, padding_id
+from specdec_cli.loading.tokens import encode_prompt, eos_token_ids, padding_id
 
 FEATURES = "target-features-{}-{:05d}.pt"  # the target states a draft reads: layers, shard
 ANSWERS = "corpus.jsonl.gz"  # the corpus as text, saved beside the draft: `--answers` labels it again

@@ -6,10 +6,13 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedModel
 
-from specdec_cli.models.eagle import eagle3_layers
+from specdec_cli.methods.feature.eagle import eagle3_layers
 
-FORMATS = ("specdec", "eagle3")  # the draft specdec trains, or EAGLE-3's (models/eagle3_draft.py)
-EAGLE3_LAYOUTS = ("specforge", "speculators")  # the files an EAGLE-3 draft is saved as (models/eagle3_draft.py)
+FORMATS = ("specdec", "eagle3")  # the draft specdec trains, or EAGLE-3's (methods/feature/eagle3_export.py)
+EAGLE3_LAYOUTS = (
+    "specforge",
+    "speculators",
+)  # the files an EAGLE-3 draft is saved as (methods/feature/eagle3_export.py)
 
 
 @dataclass

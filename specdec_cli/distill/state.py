@@ -13,10 +13,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdec_cli.distill.settings import DistillSettings, read_layers
 from specdec_cli.errors import SpecdecError
-from specdec_cli.models import eagle3_draft
-from specdec_cli.models.checkpoints import first_lines
-from specdec_cli.models.feature_draft import EMBEDDING, own_weights, save_draft, starting_layers
-from specdec_cli.models.target_states import target_layers
+from specdec_cli.loading.checkpoints import first_lines
+from specdec_cli.loading.target_states import target_layers
+from specdec_cli.methods.feature import eagle3_export
+from specdec_cli.methods.feature.draft import EMBEDDING, own_weights, save_draft, starting_layers
 
 WORK = "distill-work"  # subfolder of the output: corpus and training state until training ends
 STATE = "train-state.pt"  # (train-state-eagle3.pt for an EAGLE-3 draft)
@@ -140,6 +140,6 @@ def save(
         "log": log,
     }
     if eagle3:
-        eagle3_draft.save_eagle3(draft, target, out, info, settings.layout)
+        eagle3_export.save_eagle3(draft, target, out, info, settings.layout)
     else:
         save_draft(draft, tokenizer, out, info)

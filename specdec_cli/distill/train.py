@@ -15,10 +15,10 @@ from specdec_cli.distill.corpus import add_target_features
 from specdec_cli.distill.settings import DistillSettings, read_layers
 from specdec_cli.distill.state import resume, save_state, state_path, trained_with
 from specdec_cli.errors import SpecdecError
-from specdec_cli.models import eagle3_draft
-from specdec_cli.models.feature_draft import init_draft
-from specdec_cli.models.feature_parts import feature_inputs, read_target
-from specdec_cli.models.tokens import eos_token_ids, padding_id
+from specdec_cli.loading.tokens import eos_token_ids, padding_id
+from specdec_cli.methods.feature import eagle3_export
+from specdec_cli.methods.feature.draft import init_draft
+from specdec_cli.methods.feature.parts import feature_inputs, read_target
 
 
 def split_heldout(corpus: list[dict], share: float) -> tuple[list[dict], list[dict]]:
@@ -68,7 +68,7 @@ def train(
     to_subset = torch.full((vocab_size,), -1, dtype=torch.long)
     to_subset[token_ids] = torch.arange(len(token_ids))
     if settings.format == "eagle3":
-        draft = eagle3_draft.init_eagle3(target, token_ids, taps, settings.init_layers, settings.zero_features)
+        draft = eagle3_export.init_eagle3(target, token_ids, taps, settings.init_layers, settings.zero_features)
     else:
         draft = init_draft(target, settings.num_layers, token_ids, taps, settings.init_layers, settings.zero_features)
     autocast = target.dtype if target.dtype != torch.float32 else None

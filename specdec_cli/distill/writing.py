@@ -22,11 +22,10 @@ from specdec_cli import display
 from specdec_cli.config import Config
 from specdec_cli.distill.prompt_mix import MadePrompt, PromptMaker
 from specdec_cli.errors import SpecdecError
-from specdec_cli.models.tokens import encode_prompt
+from specdec_cli.loading.tokens import encode_prompt
 
 MANIFEST = "corpus.json"
 SHARD = "shard-{:05d}.npz"
-ENGINES = ("transformers", "vllm")
 
 
 @dataclass(frozen=True)
@@ -103,6 +102,8 @@ def read_shard(path: Path) -> Shard:
 def read_corpus(out: Path, answer_tokens: int) -> list[dict]:
     """The corpus as distill's answers: prompt and answer ids (cut at `answer_tokens`), greedy where
     the shard's temperature is 0."""
+    if not (out / MANIFEST).is_file():
+        raise SpecdecError(f"{out}: not a corpus folder (no {MANIFEST}; `specdec corpus --out {out}` writes one)")
     manifest = json.loads((out / MANIFEST).read_text())
     answers = []
     for shard in manifest["shards"]:
@@ -124,11 +125,10 @@ class TransformersWriter:
     """Answers with transformers' generate, in batches of prompts of similar length."""
 
     def __init__(self, cfg: Config, dtype: torch.dtype, batch_size: int):
-        from specdec_cli.models.checkpoints import load_model
-        from specdec_cli.models.pair import resolve_device
-        from specdec_cli.models.tokens import eos_token_ids, padding_id
+        from specdec_cli.loading.tokens import eos_token_ids, padding_id
+        from specdec_cli.pair import load_checkpoint, resolve_device
 
-        self.model, self.tokenizer = load_model(cfg.target, resolve_device(cfg.runtime.device), dtype)
+        self.model, self.tokenizer = load_checkpoint(cfg.target, resolve_device(cfg.runtime.device), dtype)
         self.pad = padding_id(self.tokenizer)
         self.eos = eos_token_ids(self.model.generation_config, self.tokenizer)
         self.batch_size = batch_size
@@ -157,7 +157,7 @@ class TransformersWriter:
                 answers[i] = row[: ends[0] + 1] if ends else row  # keep the EOS, drop the padding after it
         return answers
 
-    def close(self) -> None:
+    def close(self, interrupted: bool) -> None:
         pass
 
 
@@ -167,7 +167,7 @@ class VllmWriter:
     not reproducible: the shards, once written, are the corpus."""
 
     def __init__(self, cfg: Config, dtype: str, batch_size: int):
-        from specdec_cli.models.checkpoints import load_tokenizer
+        from specdec_cli.loading.checkpoints import load_tokenizer
         from specdec_cli.vllm_engine.client import VllmWorker
         from specdec_cli.vllm_engine.settings import engine_settings
 
@@ -180,8 +180,8 @@ class VllmWriter:
         reply = self.worker.generate(prompts, sampling | {"stop_token_ids": sorted(self.eos)})
         return [output["token_ids"] for output in reply["outputs"]]
 
-    def close(self) -> None:
-        self.worker.close()
+    def close(self, interrupted: bool) -> None:
+        self.worker.close(interrupted)
 
 
 def encode(tokenizer, prompt: MadePrompt) -> list[int]:
@@ -200,70 +200,67 @@ def write_corpus(
 ) -> dict:
     """Shards until the corpus holds `tokens` answer tokens; returns the manifest."""
     manifest = open_manifest(out, shape)
-    maker = PromptMaker(excluded)
     done = sum(s["answer_tokens"] for s in manifest["shards"])
     if done >= tokens:
         return manifest
+    maker = PromptMaker(excluded)
+    seen: set[str] = set(manifest.get("prompt_keys", []))
     writer = open_writer(cfg, engine, dtype, batch_size)
+    interrupted = True
     try:
-        seen: set[str] = set(manifest.get("prompt_keys", []))
-        kind_names = [k.name for k in maker.kinds]
         earlier = last_shard_texts(out, manifest, writer.tokenizer)
         start, resumed = time.perf_counter(), done
         while done < tokens:
-            index = len(manifest["shards"])
-            temperature = shape.temperatures[index % len(shape.temperatures)]
-            rng = random.Random(f"{shape.seed}-{index}")
-            prompts = maker.shard(rng, shape.prompts_per_shard, earlier, seen)
-            ids = [encode(writer.tokenizer, p) for p in prompts]
-            began = time.perf_counter()
-            answers = writer.answer(ids, temperature, shape.answer_tokens, shape.seed * 100_003 + index)
-            seconds = time.perf_counter() - began
-            save_shard(
-                out,
-                index,
-                [p.text for p in prompts],
-                ids,
-                answers,
-                [kind_names.index(p.kind) for p in prompts],
-                ids_dtype(len(writer.tokenizer)),
-            )
-            written = sum(map(len, answers))
-            manifest["shards"].append(
-                {
-                    "file": SHARD.format(index),
-                    "temperature": temperature,
-                    "answers": len(answers),
-                    "answer_tokens": written,
-                    "prompt_tokens": sum(map(len, ids)),
-                    "seconds": round(seconds, 1),
-                    "engine": writer.name,
-                    "dtype": dtype,
-                    "batch_size": batch_size,
-                }
-            )
+            entry, earlier = write_shard(out, len(manifest["shards"]), shape, maker, writer, earlier, seen)
+            manifest["shards"].append(entry | {"dtype": dtype, "batch_size": batch_size})
             manifest["prompt_keys"] = sorted(seen)
             manifest["excluded_prompts_dropped"] = manifest.get("excluded_prompts_dropped", 0) + maker.dropped
             maker.dropped = 0
             write_whole(out, MANIFEST, lambda path: path.write_text(json.dumps(manifest, indent=1)))
-            done += written
-            earlier = [(p.text, writer.tokenizer.decode(a, skip_special_tokens=True)) for p, a in zip(prompts, answers)]
+            done += entry["answer_tokens"]
             rate = (done - resumed) / (time.perf_counter() - start)
             left = display.duration((tokens - done) / rate) if done < tokens else "0s"
             display.stderr.print(
-                f"shard {index}: {min(done, tokens):,}/{tokens:,} answer tokens ({min(done / tokens, 1):.0%}), "
-                f"{written / seconds:.0f} tok/s, {left} left",
+                f"shard {len(manifest['shards']) - 1}: {min(done, tokens):,}/{tokens:,} answer tokens "
+                f"({min(done / tokens, 1):.0%}), {entry['answer_tokens'] / entry['seconds']:.0f} tok/s, {left} left",
                 highlight=False,
             )
+        interrupted = False
     finally:
-        writer.close()
+        writer.close(interrupted)
     return manifest
+
+
+def write_shard(
+    out: Path, index: int, shape: CorpusShape, maker: PromptMaker, writer, earlier: list, seen: set[str]
+) -> tuple[dict, list[tuple[str, str]]]:
+    """Shard `index`: its prompts (passages from `earlier`), the target's answers, the file. Returns
+    the manifest's entry and the (prompt, answer) texts the next shard draws passages from."""
+    temperature = shape.temperatures[index % len(shape.temperatures)]
+    prompts = maker.shard(random.Random(f"{shape.seed}-{index}"), shape.prompts_per_shard, earlier, seen)
+    ids = [encode(writer.tokenizer, p) for p in prompts]
+    began = time.perf_counter()
+    answers = writer.answer(ids, temperature, shape.answer_tokens, shape.seed * 100_003 + index)
+    seconds = time.perf_counter() - began
+    kinds = [[k.name for k in maker.kinds].index(p.kind) for p in prompts]
+    texts = [p.text for p in prompts]
+    save_shard(out, index, texts, ids, answers, kinds, ids_dtype(len(writer.tokenizer)))
+    entry = {
+        "file": SHARD.format(index),
+        "temperature": temperature,
+        "answers": len(answers),
+        "answer_tokens": sum(map(len, answers)),
+        "prompt_tokens": sum(map(len, ids)),
+        "seconds": round(max(seconds, 1e-3), 3),
+        "engine": writer.name,
+    }
+    return entry, [(t, writer.tokenizer.decode(a, skip_special_tokens=True)) for t, a in zip(texts, answers)]
 
 
 def open_writer(cfg: Config, engine: str, dtype: str, batch_size: int):
     if engine == "vllm":
         return VllmWriter(cfg, dtype, batch_size)
-    from specdec_cli.models.pair import resolve_device, resolve_dtype
+    from specdec_cli.pair import resolve_device, resolve_dtype
 
     return TransformersWriter(cfg, resolve_dtype(dtype, resolve_device(cfg.runtime.device)), batch_size)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -66,12 +67,15 @@ class VllmWorker:
         python = vllm_python()
         self.log, self.failed = new_log(), False
         with self.log.open("w") as log:
+            # a session of its own: vLLM's engine runs in the worker's child processes, and an
+            # interrupted run stops them all together (`close`)
             self.process = subprocess.Popen(
                 [str(python), str(WORKER)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,
                 text=True,
+                start_new_session=True,
             )
         ready = self.call({"engine": engine})
         self.version, self.device = ready["version"], ready["device"]  # the build: "cpu", "cuda", ...
@@ -95,19 +99,32 @@ class VllmWorker:
     def generate(self, prompts: list[list[int]], sampling: dict) -> dict:
         return self.call({"prompts": prompts, "sampling": sampling})
 
-    def close(self) -> None:
+    def close(self, interrupted: bool = False) -> None:
+        """End the worker: at the end of its input, or at once where the run was `interrupted` (the
+        worker may be in the middle of a request, which it would finish first)."""
         if self.process.poll() is None:
             self.process.stdin.close()
             try:
-                self.process.wait(timeout=60)
+                self.process.wait(timeout=1 if interrupted else 60)
             except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+                self.stop_all()
         if not self.failed:
             self.log.unlink(missing_ok=True)
+
+    def stop_all(self) -> None:
+        """The worker and vLLM's engine processes under it."""
+        for stop in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.process.pid, stop)
+                self.process.wait(timeout=10)
+                return
+            except ProcessLookupError:
+                return
+            except subprocess.TimeoutExpired:
+                continue
 
     def __enter__(self) -> VllmWorker:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(interrupted=exc_type is not None)

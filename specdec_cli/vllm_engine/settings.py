@@ -11,10 +11,10 @@ from specdec_cli.decoding.engine import GenerationResult
 from specdec_cli.decoding.metrics import StepRecord
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.errors import SpecdecError
-from specdec_cli.models.checkpoints import model_folder
-from specdec_cli.models.formats import DraftFolder, recognise
+from specdec_cli.loading.checkpoints import model_folder
+from specdec_cli.methods.formats import DraftFolder, recognise
 
-# specdec's draft formats (models/formats.py; None: a causal LM) as vLLM's speculative methods
+# specdec's draft formats (methods/formats.py; None: a causal LM) as vLLM's speculative methods
 VLLM_METHODS = {None: "draft_model", "eagle": "eagle", "eagle3": "eagle3", "medusa": "medusa", "dflash": "dflash"}
 
 

@@ -1,0 +1,204 @@
+"""`specdec benchmark`: the target alone and the speculative loop on a prompt set, measured as Spec-Bench
+measures. The parts live in bench/: plan (modes and prompts), run, summary, report, peers."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from specdec_cli import display, records
+from specdec_cli.bench import charts
+from specdec_cli.bench.plan import HF, SPECDEC, VLLM, Mode, Plan
+from specdec_cli.bench.prompts import Prompt
+from specdec_cli.bench.report import (
+    batch_report,
+    category_report,
+    detail_report,
+    environment_caption,
+    markdown_document,
+    peer_report,
+    rich_table,
+    verification,
+)
+from specdec_cli.bench.run import run_batches, run_benchmark
+from specdec_cli.bench.summary import gate_failures, summarize, summarize_batches, summarize_peers
+from specdec_cli.config import Config
+from specdec_cli.errors import EXIT_GATE_FAILED, SpecdecError
+from specdec_cli.pair import load_pair
+
+
+@dataclass
+class Measured:
+    runs: list = field(default_factory=list)
+    batch_runs: list = field(default_factory=list)
+    partial: bool = False
+    versions: dict | None = None  # vLLM's version and build, where it ran
+    warning: str | None = None  # what vLLM's CPU build does differently
+
+
+def execute(
+    cfg: Config,
+    prompts: list[Prompt],
+    plan: Plan,
+    as_json: bool,
+    min_speedup: float | None,
+    min_accept_length: float | None,
+) -> None:
+    pair, caption = prepare(cfg, plan)
+    measured = measure(pair, prompts, plan)
+    if measured.warning:
+        caption = f"{caption} {measured.warning}"
+    summary = summarize(measured.runs, plan.engine)
+    record = benchmark_record(cfg, pair, prompts, plan, measured, summary, caption)
+    report(cfg, record, as_json)
+    if measured.partial:
+        display.stderr.print("Interrupted: the record holds the prompts finished in every mode (partial: true).")
+        raise KeyboardInterrupt
+    failures = gate_failures(summary, min_speedup, min_accept_length)
+    if failures:
+        raise SpecdecError("benchmark gate not met: " + "; ".join(failures), EXIT_GATE_FAILED)
+
+
+def prepare(cfg: Config, plan: Plan):
+    """The loaded pair (with vLLM as the engine: the target's tokenizer alone) and the caption that
+    says how the peer or engine ran; refuses what vLLM cannot run before any work."""
+    if VLLM in (plan.engine, plan.peer):
+        from specdec_cli.vllm_engine.client import vllm_python
+
+        vllm_python()  # before any work: without vLLM's environment the run could not finish
+    caption, note = None, None
+    if plan.engine == VLLM:
+        from specdec_cli.bench.vllm_peer import VLLM_ENGINE, target_text
+        from specdec_cli.vllm_engine.settings import speculative_config
+
+        speculative_config(cfg.draft, plan.gammas[0])  # a draft vLLM cannot run: one line before any work
+        pair = target_text(cfg)  # vLLM loads the models: specdec only encodes the prompts
+        caption = VLLM_ENGINE
+    else:
+        with display.stderr.status(f"Loading {cfg.target.describe()} and {cfg.draft.describe()}..."):
+            pair = load_pair(cfg)
+    if plan.peer == HF:
+        from specdec_cli.bench.peers import hf_drafting, peer_caption
+
+        plan.peer_drafting, note = hf_drafting(pair)
+        caption = peer_caption(plan.peer_drafting, note)
+    elif plan.peer == VLLM:
+        from specdec_cli.bench.vllm_peer import VLLM_FAIRNESS, vllm_drafting
+
+        plan.peer_drafting, note = vllm_drafting(pair, plan.gammas)
+        caption = " ".join([VLLM_FAIRNESS] + ([note] if note else []))
+    if note:
+        display.stderr.print(f"Note: {note}")
+    return pair, caption
+
+
+def measure(pair, prompts: list[Prompt], plan: Plan) -> Measured:
+    """Every mode of the plan on every prompt, in specdec's loop and vLLM's as the plan says, with
+    progress; Ctrl-C ends it with what every mode finished (`partial`)."""
+    measured = Measured()
+    vllm_modes = [mode for modes in plan.vllm_modes().values() for mode in modes]
+    batched = plan.batch_modes() + plan.batched(vllm_modes)
+    with display.progress() as progress:
+        batch_task = progress.add_task("batches", total=len(batched)) if batched else None
+        begun = []  # the (batch size, mode) pairs begun so far
+
+        def on_batch(size: int, mode: Mode, start: int, n: int) -> None:
+            if (size, mode) not in begun:
+                begun.append((size, mode))
+            progress.update(
+                batch_task,
+                completed=len(begun) - 1,
+                description=f"batch size {size}, prompts {start + 1}-{min(start + size, n)}/{n}: {mode.label}",
+            )
+
+        if plan.engine == SPECDEC:
+            modes = plan.modes()
+            task = progress.add_task(f"warm-up ({plan.warmup} per mode)", total=len(prompts) * len(modes))
+
+            def on_run(i: int, n: int, prompt: Prompt, mode: Mode) -> None:
+                progress.update(
+                    task,
+                    completed=i * len(modes) + modes.index(mode),
+                    description=f"prompt {i + 1}/{n} {prompt.id}: {mode.label}",
+                )
+
+            measured.runs, measured.partial = run_benchmark(pair, prompts, plan, on_run)
+            progress.update(task, completed=len(measured.runs))
+            if plan.batch_modes() and not measured.partial:
+                measured.batch_runs, measured.partial = run_batches(pair, prompts, plan, on_batch)
+        if vllm_modes and not measured.partial:
+            from specdec_cli.bench.vllm_peer import cpu_build_sampling, run_vllm
+
+            vllm_task = progress.add_task("vllm: starting an engine", total=len(prompts) * len(vllm_modes))
+            started = []  # the runs begun so far
+
+            def on_vllm_run(i: int, n: int, prompt: Prompt, mode: Mode) -> None:
+                progress.update(
+                    vllm_task, completed=len(started), description=f"prompt {i + 1}/{n} {prompt.id}: {mode.label}"
+                )
+                started.append(mode)
+
+            done = run_vllm(pair, prompts, plan, on_vllm_run, on_batch)
+            progress.update(vllm_task, completed=len(started))
+            measured.runs += done.runs
+            measured.batch_runs += done.batch_runs
+            measured.partial = done.partial
+            measured.versions = {"vllm": done.version, "vllm_device": done.device}
+            measured.warning = cpu_build_sampling(done.device, [m.temperature for m in vllm_modes if m.gamma])
+        if batch_task is not None:
+            progress.update(batch_task, completed=len(begun))
+    return measured
+
+
+def benchmark_record(
+    cfg: Config, pair, prompts: list[Prompt], plan: Plan, measured: Measured, summary: dict, caption: str | None
+) -> dict:
+    if plan.engine == VLLM:
+        from specdec_cli.vllm_engine.settings import environment
+
+        found = measured.versions or {}
+        dtype = str(pair.dtype).removeprefix("torch.")
+        where = environment(cfg, dtype, found.get("vllm", ""), found.get("vllm_device", ""))
+    else:
+        where = pair.describe()
+    return {
+        **records.header("benchmark", cfg, where),
+        "engine": plan.engine,
+        "partial": measured.partial,
+        "settings": {
+            **asdict(plan),
+            "multi_turn": "every turn counts; each mode feeds back its own answers",
+            "prompts": len(prompts),
+        },
+        "summary": summary,
+        "peers": summarize_peers(measured.runs),
+        "peer_fairness": caption if plan.peer else None,
+        "engine_note": caption if plan.engine == VLLM else None,
+        "peer_versions": measured.versions if plan.peer else None,
+        "batch_summary": summarize_batches(measured.runs, measured.batch_runs),
+        "prompt_set": [asdict(p) for p in prompts],
+        "runs": measured.runs,
+        "batch_runs": measured.batch_runs,
+    }
+
+
+def report(cfg: Config, record: dict, as_json: bool) -> None:
+    """The record, its tables (on stdout, and as report.md with the charts beside the record)."""
+    rule = verification(record)
+    summary, peers = record["summary"], record["peers"]
+    tables = (
+        [
+            category_report(summary, cfg.draft.describe(), rule, record["engine_note"], record["engine"]),
+            detail_report(summary, rule),
+        ]
+        + ([peer_report(peers, record["peer_fairness"])] if peers else [])
+        + ([batch_report(record["batch_summary"], rule)] if record["batch_runs"] else [])
+    )
+    chart_files = charts.draw([(charts.heading(record), record)]) if records.recording else {}
+    markdown = markdown_document(record, tables, list(chart_files))
+
+    def show() -> None:
+        for table in tables:
+            display.stdout.print(rich_table(table))
+        display.stdout.print(environment_caption(record["environment"]))
+
+    records.finish("benchmark", cfg.name, record, as_json, show, {"report.md": markdown, **chart_files})

@@ -1,0 +1,215 @@
+"""Load a config's target and drafter onto a device, check they can work together, encode prompts."""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+import specdec_cli
+from specdec_cli.config import Config, ModelSpec, SuffixSettings
+from specdec_cli.decoding.cache import CachedModel
+from specdec_cli.decoding.drafter import Drafter
+from specdec_cli.decoding.engine import SpeculativeDecoder
+from specdec_cli.decoding.params import SamplingParams, TreeShape
+from specdec_cli.decoding.verification import chain_rule
+from specdec_cli.errors import SpecdecError
+from specdec_cli.loading import decode_matmul
+from specdec_cli.loading.checkpoints import load_model
+from specdec_cli.loading.draft_folder import Drafting
+from specdec_cli.loading.target_states import LAST
+from specdec_cli.loading.tokens import encode_prompt, eos_token_ids
+from specdec_cli.methods.context import ContextDrafter
+from specdec_cli.methods.formats import DRAFT_FORMAT, FORMATS, load_format
+from specdec_cli.methods.lookup import LookupFirstDrafter
+from specdec_cli.methods.model import ModelDrafter
+from specdec_cli.methods.ngram import NgramDrafter
+from specdec_cli.methods.recycling import RecyclingDrafter
+from specdec_cli.methods.suffix import SuffixDrafter
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise SpecdecError(f"device {name} requested but CUDA is not available (torch {torch.__version__})")
+    device = torch.device(name)
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise SpecdecError(
+            f"device {name} requested but this machine has {torch.cuda.device_count()} CUDA "
+            f"device(s): cuda:0 to cuda:{torch.cuda.device_count() - 1}"
+        )
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    # auto: bf16 on CUDA, where it is sure to be fast; float32 on CPUs, also those with bf16 units, where
+    # greedy output then stays identical to the target alone's (docs/experiments, 2026-12-03 dtypes)
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+@dataclass
+class Pair:
+    config: Config
+    tokenizer: PreTrainedTokenizerBase
+    target: CachedModel
+    # the draft's own: a model, a feature draft, heads, a block draft, n-gram lookup, suffix decoding or
+    # token recycling
+    drafter: Drafter
+    device: torch.device
+    dtype: torch.dtype
+    draft_description: str | None = None  # the draft's format and the target states it reads
+    lookup: ContextDrafter | None = None  # prompt lookup or suffix decoding ahead of the drafter
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return eos_token_ids(self.target.model.generation_config, self.tokenizer)
+
+    def decoder(
+        self,
+        params: SamplingParams,
+        speculative: bool = True,
+        num_draft_tokens: int | None = None,
+        tree: TreeShape | None = None,
+        verification: str | None = None,
+    ) -> SpeculativeDecoder:
+        """A chain of `num_draft_tokens`, a `tree` of that shape, or, given neither, the config's drafting;
+        a chain's sampled drafts verified by `verification` (default: the config's rule)."""
+        if tree is None and num_draft_tokens is None:
+            tree = self.config.speculation.tree
+        if tree is not None and speculative:  # lookup's tree where it finds a match, the model's elsewhere
+            drafter = self.drafter if self.lookup is None else LookupFirstDrafter(self.lookup, self.drafter)
+            return SpeculativeDecoder(self.target, drafter, params, tree.depth, self.eos_token_ids, tree)
+        gamma = self.config.speculation.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
+        drafter = self.drafter if speculative else None
+        if speculative and self.lookup is not None:
+            lookup_tokens = (self.config.draft.lookup or self.config.draft.suffix).num_draft_tokens
+            if lookup_tokens is None:  # both sides draft the decoder's length
+                drafter = LookupFirstDrafter(self.lookup, drafter)
+            else:  # each side its own length; the decoder's is the longer
+                drafter = LookupFirstDrafter(self.lookup, drafter, lookup_tokens, gamma)
+                gamma = max(gamma, lookup_tokens)
+        rule = chain_rule(params, verification or self.config.speculation.verification)
+        return SpeculativeDecoder(self.target, drafter, params, gamma, self.eos_token_ids, rule=rule)
+
+    def encode(self, prompt: str, raw: bool = False, history: list[dict] | None = None) -> list[int]:
+        return encode_prompt(self.tokenizer, prompt, raw, history)
+
+    def check_fits(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+        check_fits(prompt_ids, max_new_tokens, self.target.context_length)
+
+    def describe(self) -> dict:
+        """What a record needs to say about where and how it ran."""
+        device = self.device
+        return {
+            "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads(),
+            # which product served the CPU float32 decoding matmuls (decode_matmul.py); None elsewhere
+            "decode_matmul": None
+            if decode_matmul.detour_is_faster is None or device.type != "cpu" or self.dtype != torch.float32
+            else ("W @ x.T" if decode_matmul.detour_is_faster else "x @ W.T"),
+            "versions": {
+                "specdec": specdec_cli.__version__,
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "python": platform.python_version(),
+            },
+        }
+
+
+def check_fits(prompt_ids: list[int], max_new_tokens: int, context_length: int) -> None:
+    if len(prompt_ids) + max_new_tokens > context_length:
+        raise SpecdecError(
+            f"the prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({max_new_tokens}) "
+            f"exceeds the target's context of {context_length} tokens"
+        )
+
+
+def cpu_name() -> str:
+    """The CPU's model name as lscpu shows it (Linux), else what the platform module knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def check_tokenizers(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase) -> None:
+    """The acceptance test compares token ids: both models must give every token the same id."""
+    target_vocab, draft_vocab = target.get_vocab(), draft.get_vocab()
+    if target_vocab != draft_vocab:
+        differing = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()), key=lambda kv: kv[1])
+        token, _ = differing[0]
+        raise SpecdecError(
+            f"draft and target tokenizers disagree on token ids ({len(differing)} entries "
+            f"differ, e.g. {token!r}): speculative decoding needs a shared vocabulary"
+        )
+
+
+def load_checkpoint(
+    spec: ModelSpec, device: torch.device, dtype: torch.dtype, target: PreTrainedModel | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """A target or a draft: in a draft format of methods/ (recognised from the folder), else
+    transformers' checkpoint. `target` is given when loading a draft."""
+    return load_model(spec, device, dtype, target, read_format=load_format)
+
+
+def suffix_drafter(settings: SuffixSettings, vocab_size: int, device: torch.device) -> SuffixDrafter:
+    limits = {k: v for k, v in vars(settings).items() if k != "num_draft_tokens"}  # the blocks' length is the loop's
+    return SuffixDrafter(vocab_size, device, **limits)
+
+
+def load_pair(config: Config) -> Pair:
+    runtime = config.runtime
+    if runtime.threads:
+        torch.set_num_threads(runtime.threads)
+    device = resolve_device(runtime.device)
+    dtype = resolve_dtype(runtime.dtype, device)
+    model, tokenizer = load_checkpoint(config.target, device, dtype)
+    vocab_size = model.get_output_embeddings().out_features
+    state_layers, description, lookup = LAST, None, None
+    threshold = config.speculation.confidence_threshold
+    if config.draft.ngram is not None:
+        drafter = NgramDrafter(config.draft.ngram.max_n, config.draft.ngram.min_n, vocab_size, device)
+    elif config.draft.recycling is not None:
+        drafter = RecyclingDrafter(config.draft.recycling.candidates, vocab_size, device)
+    elif not config.draft.has_model:
+        drafter = suffix_drafter(config.draft.suffix, vocab_size, device)
+    else:
+        draft_model, draft_tokenizer = load_checkpoint(config.draft, device, dtype, target=model)
+        if draft_tokenizer is not None:  # a draft without one (EAGLE's) uses the target's
+            check_tokenizers(tokenizer, draft_tokenizer)
+        kind = getattr(draft_model.config, DRAFT_FORMAT, None)
+        if kind is None:  # a causal LM drafts from tokens alone
+            drafting = Drafting(
+                ModelDrafter(CachedModel(draft_model, vocab_size), threshold), LAST, "reads tokens only"
+            )
+        else:
+            drafting = FORMATS[kind].drafting(draft_model, vocab_size, threshold)
+        drafter, state_layers = drafting.drafter, drafting.state_layers  # the states the target hands the draft
+        description = f"{kind or 'causal LM'} draft, {drafting.reads}"
+        if config.draft.lookup is not None:
+            lookup = NgramDrafter(config.draft.lookup.max_n, config.draft.lookup.min_n, vocab_size, device)
+        if config.draft.suffix is not None:
+            lookup = suffix_drafter(config.draft.suffix, vocab_size, device)
+    if lookup is not None and not drafter.follows:
+        raise SpecdecError(f"{description} cannot draft after lookup's blocks: drop draft.lookup and draft.suffix")
+    if threshold and not drafter.stops_when_unsure:
+        raise SpecdecError(
+            "confidence_threshold applies to drafts that draft token by token (a draft model, a feature "
+            "or EAGLE draft): this draft proposes its block at once"
+        )
+    target = CachedModel(model, vocab_size, state_layers)
+    return Pair(config, tokenizer, target, drafter, device, dtype, description, lookup)
