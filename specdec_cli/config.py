@@ -13,6 +13,7 @@ import re
 import types
 import typing
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,8 @@ import yaml
 from specdec_cli.decoding.params import TreeShape
 from specdec_cli.errors import SpecdecError, read_text
 
-BUILTIN_CONFIGS = Path(__file__).resolve().parent / "configs"  # package data, so a wheel has them too
+# configs/ at the top of the repository, installed as this package (pyproject.toml), so a wheel has them too
+BUILTIN_CONFIGS = Path(str(resources.files("specdec_cli.configs")))
 DEFAULT_CONFIG = "smollm2-draft"  # name of a file in BUILTIN_CONFIGS
 VERIFICATIONS = ("token", "block")  # speculation.verification
 

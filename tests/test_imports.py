@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import graphlib
+import re
 from pathlib import Path
 
 import specdec_cli
@@ -74,3 +75,14 @@ def test_the_core_and_the_methods_read_no_config():
         if d.startswith("specdec_cli.config")
     ]
     assert readers == []
+
+
+def test_pyproject_lists_every_package():
+    """pyproject.toml names the packages (configs/ installs as specdec_cli.configs): a package left out
+    would be missing from the wheel."""
+    text = (PACKAGE.parent / "pyproject.toml").read_text()
+    listed = set(re.findall(r'^\s+"(specdec_cli[\w.]*)",$', text.split("packages = [")[1].split("]")[0], re.M))
+    found = {".".join(init.parent.relative_to(PACKAGE.parent).parts) for init in PACKAGE.rglob("__init__.py")} | {
+        "specdec_cli.configs"
+    }
+    assert listed == found

@@ -1,0 +1,1 @@
+"""The built-in configs: YAML files, installed with specdec as the package specdec_cli.configs."""
