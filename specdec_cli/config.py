@@ -22,8 +22,17 @@ import yaml
 from specdec_cli.decoding.params import TreeShape
 from specdec_cli.errors import SpecdecError, read_text
 
-# configs/ at the top of the repository, installed as this package (pyproject.toml), so a wheel has them too
-BUILTIN_CONFIGS = Path(str(resources.files("specdec_cli.configs")))
+
+def builtin_configs() -> Path:
+    """configs/ at the top of the repository, installed as specdec_cli.configs (pyproject.toml), so a
+    wheel has them too; with a source tree on sys.path and nothing installed, that tree's configs/."""
+    try:
+        return Path(str(resources.files("specdec_cli.configs")))
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[1] / "configs"
+
+
+BUILTIN_CONFIGS = builtin_configs()
 DEFAULT_CONFIG = "smollm2-draft"  # name of a file in BUILTIN_CONFIGS
 VERIFICATIONS = ("token", "block")  # speculation.verification
 

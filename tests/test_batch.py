@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from specdec_cli.bench.report import compare_report
 from specdec_cli.bench.summary import summarize_batches
 from specdec_cli.cli import app
-from specdec_cli.commands import verify
+from specdec_cli.commands.verify import checks, statistics
 from specdec_cli.config import parse_config
 from specdec_cli.decoding import sampling
 from specdec_cli.decoding.cache import CachedModel
@@ -107,10 +107,10 @@ def row_runs(pair, prompt_ids, params, runs, seed):
 def test_sampled_rows_are_distributed_as_the_target(batch_pair):
     params = SamplingParams(temperature=0.8)
     ids = batch_pair.encode(PROMPTS[0])
-    rows = verify.check_token_runs(
+    rows = checks.check_token_runs(
         batch_pair, ids, "batch row", params, row_runs(batch_pair, ids, params, 300, 0), 0.01
     )
-    verify.holm(rows, 0.01)
+    statistics.holm(rows, 0.01)
     assert [r.what for r in rows if not r.passed] == []
 
 
@@ -219,9 +219,9 @@ def test_verify_catches_a_row_reading_another_rows_acceptance(batch_pair, monkey
     ids = batch_pair.encode("Hello there, how are you?")
 
     def failures(batch_size):
-        rows = verify.check_model(batch_pair, ids, "p", params, 200, 0, 0.01, batch_size=batch_size)
-        verify.holm(rows, 0.01)
-        return [r.check for r in rows if r.status == verify.FAIL]
+        rows = checks.check_model(batch_pair, ids, "p", params, 200, 0, 0.01, batch_size=batch_size)
+        statistics.holm(rows, 0.01)
+        return [r.check for r in rows if r.status == statistics.FAIL]
 
     assert failures(4) == []
     read_the_next_rows_count(monkeypatch)

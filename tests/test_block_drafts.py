@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from specdec_cli.cli import app
-from specdec_cli.commands import verify
+from specdec_cli.commands.verify import checks, statistics
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.errors import EXIT_BAD_INPUT
 from specdec_cli.methods.dflash.drafter import BlockDrafter
@@ -53,7 +53,7 @@ def test_greedy_output_is_the_targets(kind, tmp_path, write_config):
     assert (pair.lookup is not None) == ("lookup" in kind)
     prompts = [pair.encode(p, raw=True) for p in PROMPTS]
     for ids in prompts:
-        assert verify.check_greedy(pair, ids, "p", 24, seed=0).passed
+        assert checks.check_greedy(pair, ids, "p", 24, seed=0).passed
     # a batch: every row decodes as its prompt alone, one row stopping early at an EOS
     alone = pair.decoder(SamplingParams(), speculative=False)
     alone.eos_token_ids = set()
@@ -75,9 +75,9 @@ def test_sampled_output_is_the_targets(kind, tmp_path, write_config):
     pair = pair_of(write_config, tmp_path / "draft")
     for prompt, batch_size in ((PROMPTS[0], 4), ("H", 1)):  # a one-token prompt: Medusa has no state yet
         ids = pair.encode(prompt, raw=True)
-        result = verify.check_model(pair, ids, "p", SAMPLED, 200, 0, 0.01, batch_size=batch_size)
-        verify.holm(result, 0.01)
-        assert [r.what for r in result if r.status == verify.FAIL] == [], [(r.check, r.p_value) for r in result]
+        result = checks.check_model(pair, ids, "p", SAMPLED, 200, 0, 0.01, batch_size=batch_size)
+        statistics.holm(result, 0.01)
+        assert [r.what for r in result if r.status == statistics.FAIL] == [], [(r.check, r.p_value) for r in result]
         accepted, drafted = map(int, result[0].note.split(" draft")[0].split("/"))
         assert 0.03 * drafted < accepted < 0.5 * drafted  # drafts are neither all rejected nor the target's
 
@@ -99,9 +99,9 @@ def test_verify_catches_q_from_another_position(kind, tmp_path, write_config, mo
     WRITERS[kind](tmp_path / "draft")
     pair = pair_of(write_config, tmp_path / "draft")
     hand_over_another_positions_q(pair.drafter, monkeypatch)
-    result = verify.check_model(pair, pair.encode(PROMPTS[0], raw=True), "p", SAMPLED, 200, 0, 0.01, batch_size=4)
-    verify.holm(result, 0.01)
-    assert [r.check for r in result if r.status == verify.FAIL]
+    result = checks.check_model(pair, pair.encode(PROMPTS[0], raw=True), "p", SAMPLED, 200, 0, 0.01, batch_size=4)
+    statistics.holm(result, 0.01)
+    assert [r.check for r in result if r.status == statistics.FAIL]
 
 
 # ---------------------------------------------------------------- the formats' forward, written out

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import cached
 
-from specdec_cli.commands import verify
+from specdec_cli.commands.verify import checks, statistics
 from specdec_cli.config import load_config
 from specdec_cli.decoding.cache import CachedModel
 from specdec_cli.decoding.engine import SpeculativeDecoder
@@ -80,8 +80,8 @@ def stopping_pair(write_config):
 
 def failing_checks(pair, params) -> list[str]:
     prompt = pair.encode("Hello there, how are you?")
-    rows = verify.check_model(pair, prompt, "p", params, 300, seed=0, significance=0.01)
-    verify.holm(rows, 0.01)
+    rows = checks.check_model(pair, prompt, "p", params, 300, seed=0, significance=0.01)
+    statistics.holm(rows, 0.01)
     return [r.check for r in rows if not r.passed]
 
 

@@ -21,7 +21,7 @@ from conftest import generate_json
 from typer.testing import CliRunner
 
 from specdec_cli.cli import app
-from specdec_cli.commands import verify
+from specdec_cli.commands.verify import checks, statistics
 from specdec_cli.config import load_config
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.distill import DistillSettings
@@ -240,10 +240,10 @@ def test_sampled_output_is_the_targets(distilled):
     pair = load_pair(load_config(str(distilled.pair_config)))
     params = SamplingParams(temperature=0.8)
     for prompt_ids in (pair.encode("Hello there"), pair.encode("H")):
-        rows = verify.check_model(pair, prompt_ids, "p", params, 300, seed=0, significance=0.01)
-        verify.holm(rows, 0.01)
-        assert [r.what for r in rows if r.status == verify.FAIL] == []  # a row without draws is NOT RUN, not a pass
-        assert verify.check_greedy(pair, prompt_ids, "p", 24, seed=0).passed
+        rows = checks.check_model(pair, prompt_ids, "p", params, 300, seed=0, significance=0.01)
+        statistics.holm(rows, 0.01)
+        assert [r.what for r in rows if r.status == statistics.FAIL] == []  # a row without draws is NOT RUN, not a pass
+        assert checks.check_greedy(pair, prompt_ids, "p", 24, seed=0).passed
 
 
 def test_hf_peer_runs_what_transformers_has_beside_a_feature_draft(distilled):

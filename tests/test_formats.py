@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from specdec_cli.cli import app
-from specdec_cli.commands import verify
+from specdec_cli.commands.verify import checks, statistics
 from specdec_cli.config import TinyModel, load_config
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.errors import EXIT_BAD_INPUT
@@ -433,10 +433,10 @@ def test_sampled_output_is_the_targets(pair_config):
     _, config, _ = pair_config
     pair = load_pair(load_config(str(config)))
     prompt_ids = pair.encode(PROMPT, raw=True)
-    rows = verify.check_model(pair, prompt_ids, "p", SamplingParams(temperature=1.0), 200, seed=0, significance=0.01)
-    verify.holm(rows, 0.01)
-    assert [r.what for r in rows if r.status == verify.FAIL] == []
-    assert verify.check_greedy(pair, prompt_ids, "p", 24, seed=0).passed
+    rows = checks.check_model(pair, prompt_ids, "p", SamplingParams(temperature=1.0), 200, seed=0, significance=0.01)
+    statistics.holm(rows, 0.01)
+    assert [r.what for r in rows if r.status == statistics.FAIL] == []
+    assert checks.check_greedy(pair, prompt_ids, "p", 24, seed=0).passed
 
 
 # ---------------------------------------------------------------- bad checkpoints

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import TINY_PAIR, cached
 
-from specdec_cli.commands import verify
+from specdec_cli.commands.verify import checks, statistics
 from specdec_cli.config import TinyModel, parse_config
 from specdec_cli.decoding.drafter import Drafter
 from specdec_cli.decoding.engine import SpeculativeDecoder
@@ -99,9 +99,9 @@ def test_greedy_trees_are_the_targets(tiny_target, tokenizer, kind):
 def test_sampled_trees_are_the_targets():
     pair = lookup_pair(None, 3, tree={"depth": 3, "top_k": 2, "max_nodes": 6})
     assert isinstance(pair.decoder(SamplingParams()).drafter, LookupFirstDrafter)
-    rows = verify.check_model(pair, pair.encode(PROMPT), "p", SamplingParams(0.8), 300, seed=0, significance=0.01)
-    verify.holm(rows, 0.01)
-    assert [r.what for r in rows if r.status == verify.FAIL] == [] and sum(r.p_value is not None for r in rows) >= 5
+    rows = checks.check_model(pair, pair.encode(PROMPT), "p", SamplingParams(0.8), 300, seed=0, significance=0.01)
+    statistics.holm(rows, 0.01)
+    assert [r.what for r in rows if r.status == statistics.FAIL] == [] and sum(r.p_value is not None for r in rows) >= 5
 
 
 def lookup_pair(lookup_tokens: int | None, gamma: int, tree: dict | None = None):
@@ -122,13 +122,13 @@ def test_sampled_output_is_the_targets(lookup_tokens, gamma):
     pair = lookup_pair(lookup_tokens, gamma)
     assert isinstance(pair.decoder(SamplingParams()).drafter, LookupFirstDrafter)
     ids = pair.encode(PROMPT)
-    rows = verify.check_model(pair, ids, "p", SamplingParams(temperature=0.8), 300, seed=0, significance=0.01)
-    verify.holm(rows, 0.01)
-    assert [r.what for r in rows if r.status == verify.FAIL] == []
+    rows = checks.check_model(pair, ids, "p", SamplingParams(temperature=0.8), 300, seed=0, significance=0.01)
+    statistics.holm(rows, 0.01)
+    assert [r.what for r in rows if r.status == statistics.FAIL] == []
     # checks 3 and 4 cover the longest block, lookup's where it is the longer
     longest = max(gamma, lookup_tokens or 0)
     status = {r.check: r.status for r in rows}
-    assert f"3 position {longest + 1}" in status and status[f"4 tokens 1-{longest + 1}"] == verify.PASS
+    assert f"3 position {longest + 1}" in status and status[f"4 tokens 1-{longest + 1}"] == statistics.PASS
 
 
 def test_lookup_blocks_draft_their_own_length():
@@ -137,7 +137,7 @@ def test_lookup_blocks_draft_their_own_length():
     pair = lookup_pair(lookup_tokens=6, gamma=2)
     assert pair.decoder(SamplingParams()).gamma == 6 and pair.decoder(SamplingParams(), num_draft_tokens=8).gamma == 8
     ids = pair.encode(PROMPT)
-    assert verify.check_greedy(pair, ids, "p", 48, seed=0).status == verify.PASS
+    assert checks.check_greedy(pair, ids, "p", 48, seed=0).status == statistics.PASS
     decoder = pair.decoder(SamplingParams())
     decoder.drafter = counting = Counting(decoder.drafter)
     decoder.generate(ids, 48, 0)

@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 import torch
 
-from specdec_cli.commands import verify
+from specdec_cli.commands.verify import checks, statistics
 from specdec_cli.config import SuffixSettings, load_config
 from specdec_cli.decoding.params import SamplingParams, TreeShape
 from specdec_cli.methods.recycling import RecyclingDrafter, template
@@ -218,9 +218,9 @@ def test_sampled_output_is_the_targets(kind, setting, write_config):
     params, batch = SAMPLED[setting]
     ids = pair.encode(PROMPTS[0], raw=True)
     earlier_answers(pair, ids, params)
-    rows = verify.check_model(pair, ids, "p", params, 200, 0, 0.01, batch_size=batch)
-    verify.holm(rows, 0.01)
-    assert [r.what for r in rows if r.status == verify.FAIL] == [], [(r.check, r.p_value) for r in rows]
+    rows = checks.check_model(pair, ids, "p", params, 200, 0, 0.01, batch_size=batch)
+    statistics.holm(rows, 0.01)
+    assert [r.what for r in rows if r.status == statistics.FAIL] == [], [(r.check, r.p_value) for r in rows]
     accepted = int(rows[0].note.split("/")[0])
     assert accepted > 20  # drafts were accepted: the checks saw speculative blocks
 
@@ -239,6 +239,6 @@ def test_a_q_that_is_not_the_drafts_one_hot_is_caught(kind, write_config, monkey
     monkeypatch.setattr(pair.drafter, "propose", unsure)
     params, ids = SamplingParams(temperature=1.0), pair.encode(PROMPTS[0], raw=True)
     earlier_answers(pair, ids, params)
-    rows = verify.check_model(pair, ids, "p", params, 200, 0, 0.01)
-    verify.holm(rows, 0.01)
-    assert [r.check for r in rows if r.status == verify.FAIL]
+    rows = checks.check_model(pair, ids, "p", params, 200, 0, 0.01)
+    statistics.holm(rows, 0.01)
+    assert [r.check for r in rows if r.status == statistics.FAIL]

@@ -15,9 +15,9 @@ from scipy import stats
 from typer.testing import CliRunner
 
 from specdec_cli.cli import app
-from specdec_cli.commands import verify
+from specdec_cli.commands.verify import checks, statistics
 from specdec_cli.config import TinyModel, load_config
-from specdec_cli.decoding import tree
+from specdec_cli.decoding import sampling, tree
 from specdec_cli.decoding.cache import CachedModel
 from specdec_cli.decoding.drafter import Drafter
 from specdec_cli.decoding.engine import SpeculativeDecoder
@@ -335,7 +335,7 @@ def walk_draws(params: SamplingParams, logits: torch.Tensor, rows: int, seed: in
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.6, top_k=4), SamplingParams(1.0, top_p=0.8)])
 def test_the_walk_emits_the_targets_tokens(params):
     logits = 1.5 * torch.randn(1, 6, 6, generator=torch.Generator().manual_seed(3))
-    probs = verify.sampling.warp(logits[0], params).double().numpy()  # per slot
+    probs = sampling.warp(logits[0], params).double().numpy()  # per slot
     first, second = walk_draws(params, logits, 100_000, seed=0)
     p_values = [p_value(np.bincount(first, minlength=6), probs[0])]
     for slot, token in ((1, 1), (2, 3), (3, 4)):  # after a child, the next token is the target's there
@@ -402,7 +402,7 @@ RECURSIVE_CASES = [
 
 def recursive_draws(p: list[float], q: list[float], count: int, seed: int, draws: int = 200_000) -> np.ndarray:
     """verify-distribution's one-node draws: children drawn from q, the token the rule emits."""
-    return verify.tree_rule_draws(
+    return checks.tree_rule_draws(
         torch.tensor(p), torch.tensor(q), count, draws, torch.Generator().manual_seed(seed), sampled=True
     )
 
@@ -588,16 +588,16 @@ def tree_pair(write_config, shape: str = "3,2,6", **sampling):
     return load_pair(load_config(str(config)))
 
 
-def model_rows(pair, params: SamplingParams, batch_size: int = 1) -> list[verify.Row]:
+def model_rows(pair, params: SamplingParams, batch_size: int = 1) -> list[statistics.Row]:
     ids = pair.encode(PROMPTS[3])
-    rows = verify.check_model(pair, ids, "p", params, RUNS, seed=0, significance=SIGNIFICANCE, batch_size=batch_size)
-    rows += [verify.check_greedy(pair, ids, "p", 32, seed=0)]
-    verify.holm(rows, SIGNIFICANCE)
+    rows = checks.check_model(pair, ids, "p", params, RUNS, seed=0, significance=SIGNIFICANCE, batch_size=batch_size)
+    rows += [checks.check_greedy(pair, ids, "p", 32, seed=0)]
+    statistics.holm(rows, SIGNIFICANCE)
     return rows
 
 
 def failing(rows) -> list[str]:
-    return [f"{row.check}: {row.what}" for row in rows if row.status == verify.FAIL]
+    return [f"{row.check}: {row.what}" for row in rows if row.status == statistics.FAIL]
 
 
 SAMPLED = [
@@ -609,7 +609,7 @@ SAMPLED = [
 SAMPLED_IDS = ["T0.6-top-k-batch1", "T1-top-p-batch4", "T1-top-k-batch4", "T0.6-top-p-batch1"]
 
 
-def accepted(rows: list[verify.Row]) -> int:
+def accepted(rows: list[statistics.Row]) -> int:
     """Draft tokens accepted over the runs (from the first row's note)."""
     return int(rows[0].note.split("/")[0])
 

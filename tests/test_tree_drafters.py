@@ -12,7 +12,7 @@ import torch
 from test_block_drafts import TARGET, write_dflash, write_medusa_vllm
 from test_tree import ONE_THREAD, SIGNIFICANCE, failing, siblings_tested_against_p, tree_paths
 
-from specdec_cli.commands import verify
+from specdec_cli.commands.verify import checks, statistics
 from specdec_cli.config import load_config
 from specdec_cli.decoding import tree
 from specdec_cli.decoding.params import SamplingParams, TreeShape
@@ -134,14 +134,14 @@ def test_a_lookup_tree_accepts_a_match_the_chain_does_not_draft(write_config, tm
 # ---------------------------------------------------------------- sampled
 
 
-def rows_of(pair, ids: list[int], params: SamplingParams, batch_size: int) -> list[verify.Row]:
-    rows = verify.check_model(pair, ids, "p", params, RUNS, seed=0, significance=SIGNIFICANCE, batch_size=batch_size)
-    rows += [verify.check_greedy(pair, ids, "p", 24, seed=0)]
-    verify.holm(rows, SIGNIFICANCE)
+def rows_of(pair, ids: list[int], params: SamplingParams, batch_size: int) -> list[statistics.Row]:
+    rows = checks.check_model(pair, ids, "p", params, RUNS, seed=0, significance=SIGNIFICANCE, batch_size=batch_size)
+    rows += [checks.check_greedy(pair, ids, "p", 24, seed=0)]
+    statistics.holm(rows, SIGNIFICANCE)
     return rows
 
 
-def accepted(rows: list[verify.Row]) -> int:
+def accepted(rows: list[statistics.Row]) -> int:
     """Draft tokens accepted over the runs (from the first row's note)."""
     return int(rows[0].note.split("/")[0])
 

@@ -18,7 +18,7 @@ from test_sampling import block_acceptance_with_token_residual, verify_block_sto
 from typer.testing import CliRunner
 
 from specdec_cli.cli import app
-from specdec_cli.commands import verify
+from specdec_cli.commands.verify import checks, statistics
 from specdec_cli.config import load_config
 from specdec_cli.decoding import sampling
 from specdec_cli.decoding.cache import CachedModel
@@ -141,16 +141,16 @@ def warp_without_top_k(monkeypatch) -> None:
 
 
 def test_pool_bins_merges_rare_categories_and_drops_impossible_ones():
-    bins = verify.pool_bins(np.array([10.0, 6.0, 1.0, 1.0, 2.0, 3.0, 0.0, 0.5]))
+    bins = statistics.pool_bins(np.array([10.0, 6.0, 1.0, 1.0, 2.0, 3.0, 0.0, 0.5]))
     assert bins[6] == -1  # probability 0: no bin
     assert bins[0] != bins[1] and len({bins[0], bins[1]} & set(bins[[2, 3, 4, 5, 7]])) == 0
     pooled = np.bincount(bins[bins >= 0], weights=np.array([10.0, 6, 1, 1, 2, 3, 0, 0.5])[bins >= 0])
-    assert pooled.sum() == 23.5 and pooled.min() >= verify.MIN_EXPECTED
+    assert pooled.sum() == 23.5 and pooled.min() >= statistics.MIN_EXPECTED
 
 
 def test_holm_step_down():
-    rows = [verify.Row("x", str(p), 1, "", p_value=p) for p in (0.03, 0.001, 0.003, 0.5)]
-    verify.holm(rows, 0.01)
+    rows = [statistics.Row("x", str(p), 1, "", p_value=p) for p in (0.03, 0.001, 0.003, 0.5)]
+    statistics.holm(rows, 0.01)
     assert [r.passed for r in rows] == [True, False, False, True]  # 0.001 < .01/4, 0.003 < .01/3, 0.03 > .01/2
     assert rows[1].alpha == pytest.approx(0.0025)
 
@@ -158,29 +158,29 @@ def test_holm_step_down():
 def test_fit_passes_exact_draws_and_fails_shifted_or_impossible_ones():
     rng = np.random.default_rng(0)
     probs = np.array([0.5, 0.3, 0.15, 0.05, 0.0])
-    fit = verify.Fit()
+    fit = statistics.Fit()
     fit.add(np.bincount(rng.choice(5, 2000, p=probs), minlength=5), probs)
     row = fit.row("t", "exact", SIGNIFICANCE)
     assert row.p_value > SIGNIFICANCE and row.tv < row.tv_bound < 0.1
-    shifted = verify.Fit()
+    shifted = statistics.Fit()
     shifted.add(np.bincount(rng.choice(5, 2000, p=[0.4, 0.4, 0.15, 0.05, 0.0]), minlength=5), probs)
     assert shifted.row("t", "shifted", SIGNIFICANCE).p_value < 1e-6
-    impossible = verify.Fit()
+    impossible = statistics.Fit()
     impossible.add(np.array([5, 3, 1, 1, 1]), probs)
     assert impossible.row("t", "impossible", SIGNIFICANCE).p_value == 0.0
 
 
 def test_a_fit_without_a_degree_of_freedom_is_not_run_not_passed():
-    fit = verify.Fit()
+    fit = statistics.Fit()
     fit.add(np.array([2, 1, 0]), np.array([0.5, 0.3, 0.2]))  # 3 draws: a single pooled bin
     rows = [fit.row("t", "few", SIGNIFICANCE)]
-    verify.holm(rows, SIGNIFICANCE)
-    assert rows[0].status == verify.NOT_RUN and not rows[0].passed and rows[0].p_value is None
+    statistics.holm(rows, SIGNIFICANCE)
+    assert rows[0].status == statistics.NOT_RUN and not rows[0].passed and rows[0].p_value is None
 
 
 def test_tv_bound_mixes_the_groups_own_bounds():
     # 1000 draws on 2 bins and 20 on 4: the sampling term is sum_g sqrt(df_g n_g) / 2n, not sqrt(df / n) / 2
-    fit = verify.Fit()
+    fit = statistics.Fit()
     fit.add(np.array([480.0, 520.0]), np.array([0.5, 0.5]))
     fit.add(np.array([5.0, 5, 5, 5]), np.full(4, 0.25))
     row = fit.row("t", "two groups", SIGNIFICANCE)
@@ -194,23 +194,23 @@ def test_at_cut_tells_float_ties_from_tokens_outside_the_support():
     margin = 1e-3
     logits = torch.tensor([5.0, 4.0, 3.0, 3.0 - 1e-4, 1.0, 0.0])
     top_k = SamplingParams(1.0, top_k=3)
-    assert verify.at_cut(logits, top_k, 3, margin)  # level with the 3rd largest: either could be kept
-    assert not verify.at_cut(logits, top_k, 4, margin)
+    assert checks.at_cut(logits, top_k, 3, margin)  # level with the 3rd largest: either could be kept
+    assert not checks.at_cut(logits, top_k, 4, margin)
     # nucleus: tokens 0 and 1 hold 0.8 >= top_p, so token 2 is out, but by less than float noise
     logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
     top_p = SamplingParams(1.0, top_p=0.7999)
     assert sampling.warp(logits, top_p)[2] == 0
-    assert verify.at_cut(logits, top_p, 2, margin)
-    assert not verify.at_cut(logits, top_p, 3, margin)
-    assert not verify.at_cut(logits, SamplingParams(1.0, top_p=0.7), 2, margin)  # out by 0.1 of mass
+    assert checks.at_cut(logits, top_p, 2, margin)
+    assert not checks.at_cut(logits, top_p, 3, margin)
+    assert not checks.at_cut(logits, SamplingParams(1.0, top_p=0.7), 2, margin)  # out by 0.1 of mass
 
 
 # ---------------------------------------------------------------- 1. the sampler
 
 
-def sampler_rows(verification: str = "token") -> dict[str, verify.Row]:
-    rows = verify.check_sampler(VOCAB, PARAMS, 4000, seed=0, significance=SIGNIFICANCE, verification=verification)
-    verify.holm(rows, SIGNIFICANCE)
+def sampler_rows(verification: str = "token") -> dict[str, statistics.Row]:
+    rows = checks.check_sampler(VOCAB, PARAMS, 4000, seed=0, significance=SIGNIFICANCE, verification=verification)
+    statistics.holm(rows, SIGNIFICANCE)
     return {row.what: row for row in rows}
 
 
@@ -260,9 +260,9 @@ def pair(write_config):
     return load_pair(load_config(str(write_config(ONE_THREAD))))
 
 
-def model_rows(pair, params: SamplingParams = PARAMS, **blocks) -> list[verify.Row]:
-    rows = verify.check_model(pair, pair.encode(PROMPT), "p", params, RUNS, seed=0, significance=SIGNIFICANCE, **blocks)
-    verify.holm(rows, SIGNIFICANCE)
+def model_rows(pair, params: SamplingParams = PARAMS, **blocks) -> list[statistics.Row]:
+    rows = checks.check_model(pair, pair.encode(PROMPT), "p", params, RUNS, seed=0, significance=SIGNIFICANCE, **blocks)
+    statistics.holm(rows, SIGNIFICANCE)
     return rows
 
 
@@ -329,9 +329,9 @@ def test_model_checks_tell_float_ties_at_the_top_k_cut_from_a_broken_warp(write_
 
 def test_greedy_identity_passes_and_catches_a_cache_off_by_one(pair, monkeypatch):
     ids = pair.encode(PROMPT)
-    assert verify.check_greedy(pair, ids, "p", 32, seed=0).passed
+    assert checks.check_greedy(pair, ids, "p", 32, seed=0).passed
     rollback_one_too_many(monkeypatch)
-    row = verify.check_greedy(pair, ids, "p", 32, seed=0)
+    row = checks.check_greedy(pair, ids, "p", 32, seed=0)
     assert not row.passed and row.note == "not a tie: a bug"
 
 

@@ -10,17 +10,14 @@ with the tree's mask, the test keeps a root path, and both caches keep that path
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
 
 import torch
 
 from specdec_cli.decoding import tree as trees
-from specdec_cli.decoding.cache import CachedModel, Output, right_padded
-from specdec_cli.decoding.drafter import NOT_DRAFTED, Drafter
+from specdec_cli.decoding.cache import CachedModel, right_padded
+from specdec_cli.decoding.drafter import NOT_DRAFTED, Drafter, Rows
 from specdec_cli.decoding.host import to_device, to_host
 from specdec_cli.decoding.metrics import (
     StepRecord,
@@ -34,6 +31,7 @@ from specdec_cli.decoding.metrics import (
     vllm_mean_acceptance_length,
 )
 from specdec_cli.decoding.params import SamplingParams, TreeShape
+from specdec_cli.decoding.timing import Clock, Timeline
 from specdec_cli.decoding.verification import ChainRule, chain_rule, tree_rule
 
 # called after each block with the tokens it added and how many of them were accepted draft tokens
@@ -91,87 +89,47 @@ class GenerationResult:
         }
 
 
-class BlockMarks(NamedTuple):
-    """Clock marks of one block, read only after the loop (on CUDA they are events)."""
+@dataclass
+class Block:
+    """One block as the device has it once verified: drafts [B, g] (-1 where a row drafted none; a
+    tree's: its accepted path's tokens), num_accepted [B], next_token [B], the target's states for the
+    drafter (None unless it reads them), the clock mark after drafting. `settle` keeps the accepted
+    part in both caches once the loop has the outcome on the host."""
 
-    start: object
+    drafts: torch.Tensor
+    num_accepted: torch.Tensor
+    next_token: torch.Tensor
+    states: torch.Tensor | None
     drafted_at: object
-    verified_at: object
+
+    def settle(
+        self, target: CachedModel, drafter: Drafter | None, draft_ids: Rows, accepted: list[int], tokens: list[int]
+    ):
+        raise NotImplementedError
 
 
-class Clock:
-    """Wall-clock marks that are honest on CUDA: events recorded in stream order, read at the end,
-    so timing a phase adds no host sync to the loop."""
+@dataclass
+class ChainBlock(Block):
+    proposed: bool = True  # whether the drafter proposed (it may still have drafted nothing)
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.cuda = device.type == "cuda"
-
-    def mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))  # the pair's device, which need not be the current one
-        return event
-
-    def seconds(self, start, end) -> float:
-        if not self.cuda:
-            return end - start
-        end.synchronize()
-        return start.elapsed_time(end) / 1000
+    def settle(self, target, drafter, draft_ids, accepted, tokens):
+        target.rollback([self.drafts.shape[1] - a for a in accepted])
+        if drafter is not None and self.proposed:
+            drafter.commit(draft_ids, accepted, tokens, self.states)
 
 
-class Timeline:
-    """The bookkeeping of one generate_batch: clock marks per block, each row's steps, where each row
-    stopped, and time spent showing tokens (kept off the decode time). Marks are read only in
-    `fill`, after the loop."""
+@dataclass
+class TreeBlock(Block):
+    root: list[int] = field(default_factory=list)  # per row, the slot of the tree's root
+    path: torch.Tensor | None = None  # the accepted path's tree slots [B, depth + 1]
 
-    def __init__(self, clock: Clock, rows: int):
-        self.clock = clock
-        self.start = clock.mark()
-        self.decode_start = None
-        self.marks: list[BlockMarks] = []
-        self.block_rows: list[int] = []  # rows decoding in each block, which share its time
-        self.row_steps: list[list[tuple[int, int, int, int]]] = [
-            [] for _ in range(rows)
-        ]  # (block, drafted, accepted, emitted)
-        self.finished_at = [0] * rows  # the block in which each row stopped
-        self.display_seconds = 0.0
-
-    def prefilled(self) -> None:
-        self.decode_start = self.clock.mark()
-
-    def block(self, start, drafted_at, rows: int) -> None:
-        self.marks.append(BlockMarks(start, drafted_at, self.clock.mark()))
-        self.block_rows.append(rows)
-
-    def step(self, row: int, drafted: int, accepted: int, emitted: int, stopped: bool) -> None:
-        self.row_steps[row].append((len(self.marks) - 1, drafted, accepted, emitted))
-        if stopped:
-            self.finished_at[row] = len(self.marks) - 1
-
-    @contextmanager
-    def off_clock(self):
-        shown = time.perf_counter()
-        yield
-        self.display_seconds += time.perf_counter() - shown
-
-    def fill(self, results: list[GenerationResult]) -> None:
-        clock = self.clock
-        prefill_seconds = clock.seconds(self.start, self.decode_start)
-        # each row's step carries its share of the block's time, so sums over rows are wall time
-        times = [
-            (clock.seconds(m.start, m.drafted_at) / rows, clock.seconds(m.drafted_at, m.verified_at) / rows)
-            for m, rows in zip(self.marks, self.block_rows)
-        ]
-        for row, result in enumerate(results):
-            result.prefill_seconds = prefill_seconds
-            stopped_at = self.marks[self.finished_at[row]].verified_at
-            result.decode_seconds = clock.seconds(self.decode_start, stopped_at) - self.display_seconds
-            result.steps = [
-                StepRecord(drafted=d, accepted=a, emitted=e, draft_seconds=times[b][0], verify_seconds=times[b][1])
-                for b, d, a, e in self.row_steps[row]
-            ]
+    def settle(self, target, drafter, draft_ids, accepted, tokens):
+        """Both caches keep the accepted path as a chain's block would have left them."""
+        target.compact(self.root, self.path, [a + 1 for a in accepted])
+        states = self.states
+        if states is not None:  # the target's states along the path
+            states = states.gather(1, self.path[..., None].expand(-1, -1, states.shape[-1]))
+        drafter.commit_tree(self.path, draft_ids, accepted, tokens, states)
 
 
 class SpeculativeDecoder:
@@ -250,34 +208,16 @@ class SpeculativeDecoder:
             remaining = max(max_new_tokens - len(results[row].token_ids) for row in active)
             gamma = min(self.gamma, remaining - 1)
             block_start = self.clock.mark()
-            if self.tree is not None and gamma:
-                tree_start = list(self.target.lengths)  # the slot of each row's root
-                drafts, num_accepted, next_token, path, verified, draft_end = self._tree_block(
-                    last_token, tree_start, gamma, generator, wants_states
-                )
-            else:
-                path = None
-                drafts, num_accepted, next_token, verified, draft_end = self._chain_block(
-                    last_token, gamma, generator, wants_states
-                )
-            width = drafts.shape[1]
+            trees_now = self.tree is not None and gamma
+            block = (self._tree_block if trees_now else self._chain_block)(last_token, gamma, generator, wants_states)
+            width = block.drafts.shape[1]
             # the one host sync of the block: accepted counts, next tokens and the draft ids together
-            host = to_host(torch.cat([num_accepted, next_token, drafts.flatten()]))
+            host = to_host(torch.cat([block.num_accepted, block.next_token, block.drafts.flatten()]))
             batch = len(active)
             accepted, tokens = host[:batch], host[batch : 2 * batch]
             draft_ids = [host[2 * batch + i * width : 2 * batch + (i + 1) * width] for i in range(batch)]
-            timeline.block(block_start, draft_end, batch)
-
-            if path is not None:
-                self.target.compact(tree_start, path, [a + 1 for a in accepted])
-                states = verified.hidden
-                if wants_states:  # the target's states along the path, as a chain's block would have them
-                    states = states.gather(1, path[..., None].expand(-1, -1, states.shape[-1]))
-                self.drafter.commit_tree(path, draft_ids, accepted, tokens, states)
-            else:
-                self.target.rollback([width - a for a in accepted])
-                if self.drafter is not None and gamma:
-                    self.drafter.commit(draft_ids, accepted, tokens, verified.hidden if wants_states else None)
+            timeline.block(block_start, block.drafted_at, batch)
+            block.settle(self.target, self.drafter, draft_ids, accepted, tokens)
             staying = []
             for i, row in enumerate(active):
                 emitted, stopped = self._emit(
@@ -294,18 +234,18 @@ class SpeculativeDecoder:
                 if self.drafter is not None:
                     self.drafter.keep(staying)
             active = [active[i] for i in staying]
+            next_token = block.next_token
             last_token = (
                 next_token[to_device(staying, device)][:, None] if len(staying) < batch else next_token[:, None]
             )
-        timeline.fill(results)
+        for result, (prefill, decode, steps) in zip(results, timeline.rows()):
+            result.prefill_seconds, result.decode_seconds, result.steps = prefill, decode, steps
         return results
 
     def _chain_block(
         self, last_token: torch.Tensor, gamma: int, generator: torch.Generator, wants_states: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Output, object]:
-        """Draft a chain of `gamma` (none: the target alone), verify it in one target forward. Returns
-        the drafts [B, gamma] (-1: not drafted), num_accepted [B], next_token [B], the target's output,
-        and the clock mark after drafting."""
+    ) -> ChainBlock:
+        """Draft a chain of `gamma` (none: the target alone), verify it in one target forward."""
         drafts, draft_probs = (
             self.drafter.propose(gamma, self.params, generator) if gamma else (last_token[:, :0], None)
         )
@@ -314,15 +254,16 @@ class SpeculativeDecoder:
         if self.observe is not None:  # after the block's drafts are fixed: it shapes only later blocks
             self.observe(torch.cat([last_token, drafts], dim=1), verified.logits)
         num_accepted, next_token = self.chain_rule.verify(drafts, draft_probs, verified.logits, self.params, generator)
-        return drafts, num_accepted, next_token, verified, draft_end
+        states = verified.hidden if wants_states else None
+        return ChainBlock(drafts, num_accepted, next_token, states, draft_end, proposed=gamma > 0)
 
     def _tree_block(
-        self, last_token: torch.Tensor, start: list[int], depth: int, generator: torch.Generator, wants_states: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Output, object]:
+        self, last_token: torch.Tensor, depth: int, generator: torch.Generator, wants_states: bool
+    ) -> TreeBlock:
         """Draft a tree of at most `depth` (near the token limit a shallower one), verify it in one
-        target forward with its root at `start`. Returns the accepted path's tokens [B, depth] (valid
-        up to num_accepted; -1 past a row's deepest node), num_accepted [B], next_token [B], the path's
-        slots [B, depth + 1], the target's output, and the clock mark after drafting."""
+        target forward with its root after each row's context. The block's drafts are the accepted
+        path's tokens [B, depth] (valid up to num_accepted; -1 past a row's deepest node)."""
+        start = list(self.target.lengths)  # the slot of each row's root
         tree = self.drafter.propose_tree(replace(self.tree, depth=depth), self.params, generator)
         draft_end = self.clock.mark()
         region = trees.target_region(tree, start)
@@ -333,7 +274,9 @@ class SpeculativeDecoder:
         path_tokens = tree.tokens.gather(1, (path[:, 1:] - 1).clamp_min(0))
         # past the row's deepest node it drafted nothing (a row lookup found less for, placeholders)
         drafted = torch.arange(path_tokens.shape[1], device=path.device) < region.depths.max(dim=1, keepdim=True).values
-        return path_tokens.masked_fill(~drafted, NOT_DRAFTED), num_accepted, next_token, path, verified, draft_end
+        states = verified.hidden if wants_states else None
+        drafts = path_tokens.masked_fill(~drafted, NOT_DRAFTED)
+        return TreeBlock(drafts, num_accepted, next_token, states, draft_end, root=start, path=path)
 
     def _emit(
         self, result: GenerationResult, new_tokens: list[int], ignore_eos: bool, max_new_tokens: int

@@ -1,277 +1,46 @@
-"""`specdec verify-distribution`: statistical evidence that speculative output is the target's own.
-
-Five checks, all through the code `generate` uses (the sampler functions are looked up on the
-`sampling` module at call time, so a patched or broken sampler is the one under test):
-1. sampler: for many (p, q) shapes, the exact output distribution of the configured verification rule
-   equals p (token: accept-or-resample from the formula; block: every chain of 2 drafts summed from the
-   engine's acceptance chances and corrections), and N chains of 2 drafts through its function
-   (`verify_sampled` or `verify_block`) emit tokens 1 and 2 as p does: token 1, and token 2 given each
-   frequent token 1 (and the bonus token against the distribution after the last position);
-   with a draft tree, N draws of the tree's rules at a node too: children q's top-k tokens (deterministic
-   candidates), and children drawn from q without replacement (recursive rejection sampling);
-2. first token: N speculative runs (seeds s, s+1, ...) of BLOCKS * (gamma + 1) tokens each, token 1
-   against the exact warped target distribution;
-3. positions 2..gamma+1: the same runs, conditional on their most frequent prefixes, against the
-   target's exact conditional distribution, one pooled test per position;
-4. every token: each token of every run ranked in the target's exact distribution after that run's own
-   prefix (a randomized probability integral transform, uniform under exactness), one test per block
-   of gamma + 1 positions; this reaches past the first block, where rare prefixes leave check 3 no data;
-5. greedy identity: speculative greedy output equals target-only greedy output.
-
-The goodness-of-fit tests are Pearson chi-square tests on bins that pool rare tokens; all of them form
-one family, corrected for multiplicity with Holm's step-down method at the chosen significance. A test
-with too few draws for a single degree of freedom is reported as not run, neither passed nor failed.
-"""
+"""verify-distribution's checks 1-5 (the package's docstring says what each tests), all through the
+code `generate` runs."""
 
 from __future__ import annotations
 
-import math
-import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from scipy import stats
 
-from specdec_cli import display, records
-from specdec_cli.config import Config
+from specdec_cli.commands.verify.laws import (
+    EXACT_TOLERANCE,
+    SAMPLER_DRAFTS,
+    exact_errors,
+    sampler_shapes,
+)
+from specdec_cli.commands.verify.statistics import (
+    FAIL,
+    MIN_EXPECTED,
+    PASS,
+    RANK_BINS,
+    Advance,
+    Fit,
+    Row,
+    Stage,
+    holm,
+    no_progress,
+)
 from specdec_cli.decoding import sampling, tree
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.decoding.verification import SAMPLED_CHAIN_RULES
-from specdec_cli.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, SpecdecError
-from specdec_cli.pair import Pair, load_pair
+from specdec_cli.pair import Pair
 
-MIN_EXPECTED = 5.0  # chi-square needs about 5 expected counts per bin: rarer tokens are pooled
-EXACT_TOLERANCE = 1e-6  # max |P(x) - p(x)| allowed for the formula (float32 inputs, float64 sums)
 MIN_PREFIX_RUNS = 10  # a prefix seen in fewer runs carries too few draws to test
 MAX_PREFIXES = 10  # conditional tests per position: the most frequent prefixes
 SAMPLER_ELEMENTS = 2**24  # rows per sampler call: each [rows, 3, V] float32 tensor stays within 64 MB
-SAMPLER_DRAFTS = 2  # drafts per chain in the sampler check: with 1, block verification is token verification
-EXACT_BLOCK_VOCAB = 12  # the block rule's exact law sums over every chain: the shapes' likeliest tokens
 # logit differences below this are floating-point ties: between the target's top-2 (either is a fair
 # argmax), or between a token and the top-k/top-p cut (the generating forward may have kept it)
 TIE_MARGIN = {torch.float32: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.1}
 BLOCKS = 2  # runs generate BLOCKS * (gamma + 1) tokens: later blocks start from rolled-back caches
-RANK_BINS = 10  # equal bins of [0, 1] for the rank values of check 4 (fewer when draws are few)
 MODEL_CHECKS = ("2 ", "3 ", "4 ")  # the statistical checks on the model pair, by row prefix
-PASS, FAIL, NOT_RUN = "pass", "fail", "not run"
-
-Advance = Callable[[], None]
-Stage = Callable[[str, int], Advance]  # (description, total units) -> call once per unit done
-
-
-def no_progress(description: str, total: int) -> Advance:
-    return lambda: None
-
-
-@dataclass
-class Row:
-    """One line of the report. Statistical rows carry a p-value; Holm then sets threshold and status.
-    A test that could not run (too few draws) has no p-value and status NOT_RUN: not a pass.
-    tv: the total variation between the draws and the target on the test's bins (averaged over prefix
-    groups with weights n_g / n); tv_bound: above the output's own binned TV at confidence
-    1 - significance, i.e. the test's resolution (see Fit.row)."""
-
-    check: str
-    what: str
-    samples: int
-    statistic: str
-    p_value: float | None = None
-    tv: float | None = None
-    tv_bound: float | None = None
-    threshold: str = ""
-    alpha: float | None = None  # the Holm-corrected significance this row's p-value was held to
-    status: str = PASS  # PASS, FAIL or NOT_RUN
-    note: str = ""
-
-    @property
-    def passed(self) -> bool:
-        return self.status == PASS
-
-
-@dataclass
-class Fit:
-    """A pooled chi-square test, possibly summed over independent groups (one per prefix)."""
-
-    statistic: float = 0.0
-    df: int = 0
-    n: int = 0
-    abs_diff: float = 0.0  # sum over bins of |observed - expected|
-    spread: float = 0.0  # sum over groups of sqrt(df_g n_g): the sampling-error term of the TV bound
-    impossible: int = 0  # draws of tokens whose probability is exactly 0
-    ties: int = 0  # draws left out: probability 0, but on the top-k/top-p cut within float noise
-
-    def add(self, counts: np.ndarray, probs: np.ndarray) -> None:
-        n = int(counts.sum())
-        expected = probs / probs.sum() * n
-        bins = pool_bins(expected)
-        self.impossible += int(counts[bins < 0].sum())
-        kept = bins >= 0
-        observed = np.bincount(bins[kept], weights=counts[kept])
-        expect = np.bincount(bins[kept], weights=expected[kept])
-        self.n += n
-        self.abs_diff += float(np.abs(observed - expect).sum())
-        if len(expect) > 1:  # a single bin holds no information
-            self.statistic += float(((observed - expect) ** 2 / expect).sum())
-            self.df += len(expect) - 1
-            self.spread += math.sqrt((len(expect) - 1) * n)
-
-    def row(self, check: str, what: str, significance: float) -> Row:
-        note = f"{self.ties} draws on the top-k/top-p cut within float noise: ties, left out" if self.ties else ""
-        if self.impossible:
-            return Row(
-                check,
-                what,
-                self.n,
-                f"{self.impossible} draws of zero-probability tokens",
-                p_value=0.0,
-                note="tokens the target can never produce",
-            )
-        if self.df == 0:
-            return Row(
-                check, what, self.n, "not testable", status=NOT_RUN, note="too few draws to test; raise --samples"
-            )
-        tv = self.abs_diff / (2 * self.n)
-        # The output's binned TV from the target is at most tv + TV(empirical, output). In group g (df_g + 1
-        # bins, n_g draws) E[TV_g] <= sqrt(df_g / n_g) / 2 (Cauchy-Schwarz); the groups mix with weights
-        # n_g / n, so E <= sum_g sqrt(df_g n_g) / 2n. One draw moves the mixture's TV by at most 1/n, so
-        # McDiarmid adds sqrt(ln(1/significance) / 2n): a bound at confidence 1 - significance.
-        bound = tv + self.spread / (2 * self.n) + math.sqrt(math.log(1 / significance) / (2 * self.n))
-        return Row(
-            check,
-            what,
-            self.n,
-            f"chi2={self.statistic:.1f}, df={self.df}",
-            p_value=float(stats.chi2.sf(self.statistic, self.df)),
-            tv=tv,
-            tv_bound=min(bound, 1.0),
-            note=note,
-        )
-
-
-def pool_bins(expected: np.ndarray) -> np.ndarray:
-    """Bin index per category, -1 where the expected count is 0. Categories expecting at least
-    MIN_EXPECTED keep their own bin; rarer ones are merged, rarest first, into bins that reach it
-    (a short remainder joins the previous pooled bin, or the smallest own bin)."""
-    bins = np.full(len(expected), -1)
-    order = np.argsort(expected, kind="stable")
-    order = order[expected[order] > 0]
-    rare = order[expected[order] < MIN_EXPECTED]
-    common = order[expected[order] >= MIN_EXPECTED]
-    bins[common] = np.arange(len(common))
-    next_bin, mass, members, last_full = len(common), 0.0, [], None
-    for token in rare:
-        members.append(token)
-        mass += expected[token]
-        if mass >= MIN_EXPECTED:
-            bins[members] = last_full = next_bin
-            next_bin, mass, members = next_bin + 1, 0.0, []
-    if members:
-        fallback = last_full if last_full is not None else (0 if len(common) else next_bin)
-        bins[members] = fallback
-    return bins
-
-
-def holm(rows: list[Row], significance: float) -> None:
-    """Holm's step-down correction over every row with a p-value: the i-th smallest p-value is
-    compared with significance / (m - i); the first that is not below stops the rejections."""
-    tested = sorted((r for r in rows if r.p_value is not None), key=lambda r: r.p_value)
-    rejecting = True
-    for i, row in enumerate(tested):
-        row.alpha = significance / (len(tested) - i)
-        row.threshold = f"p >= {row.alpha:.2g} (Holm)"
-        rejecting = rejecting and row.p_value < row.alpha
-        row.status = FAIL if rejecting else PASS
-
-
-# ---------------------------------------------------------------- 1. the sampler alone
-
-
-def sampler_shapes(vocab_size: int, params: SamplingParams, seed: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """(name, p, q) pairs of the shapes a real run meets, at the configured vocabulary size."""
-    gen = torch.Generator().manual_seed(seed)
-    z1, z2 = (torch.randn(vocab_size, generator=gen) for _ in range(2))
-    half = torch.arange(vocab_size) < vocab_size // 2
-    peaked_p, peaked_q = (3 * z1).softmax(-1), (3 * z2).softmax(-1)
-    one_hot = torch.zeros(vocab_size)
-    one_hot[peaked_p.topk(3).indices[-1]] = 1.0  # an n-gram draft proposing p's third choice
-    shapes = [
-        ("peaked p, peaked q", peaked_p, peaked_q),
-        ("flat p, flat q", (0.1 * z1).softmax(-1), (0.1 * z2).softmax(-1)),
-        ("peaked p, flat q", peaked_p, (0.1 * z2).softmax(-1)),
-        (
-            "disjoint supports",
-            (3 * z1).masked_fill(~half, -math.inf).softmax(-1),
-            (3 * z2).masked_fill(half, -math.inf).softmax(-1),
-        ),
-        ("q = p", peaked_p, peaked_p.clone()),
-        ("one-hot q (n-gram draft)", peaked_p, one_hot),
-        (
-            "top-k 20",
-            sampling.warp(3 * z1, SamplingParams(1.0, top_k=20)),
-            sampling.warp(3 * z2, SamplingParams(1.0, top_k=20)),
-        ),
-        (
-            "top-p 0.9",
-            sampling.warp(3 * z1, SamplingParams(1.0, top_p=0.9)),
-            sampling.warp(3 * z2, SamplingParams(1.0, top_p=0.9)),
-        ),
-        (f"configured warp ({describe_params(params)})", sampling.warp(3 * z1, params), sampling.warp(3 * z2, params)),
-    ]
-    return shapes
-
-
-def exact_output(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """P(x) = q(x) min(1, p(x)/q(x)) + (1 - sum min(p, q)) residual(x), in float64, with the
-    engine's residual."""
-    p64, q64 = p.double(), q.double()
-    accepted = torch.minimum(p64, q64)  # q min(1, p/q), also where q = 0
-    return accepted + (1 - accepted.sum()) * sampling.residual(p, q).double()
-
-
-def exact_block_output(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """The law [V, V] of the first two tokens that block verification of 2 drafts emits (the target
-    drawing the second where it emits one), with p and q at both positions: every chain of drafts,
-    weighted by q, with the engine's chances h and corrections (`sampling.block_acceptance`), in float64."""
-    p64, q64 = p.double(), q.double()
-    vocab = p.shape[-1]
-    drafts = torch.cartesian_prod(torch.arange(vocab), torch.arange(vocab))  # [V^2, 2]: every chain
-    n = len(drafts)
-    h, leftover = sampling.block_acceptance(
-        drafts, q64.expand(n, SAMPLER_DRAFTS, vocab), p64.expand(n, SAMPLER_DRAFTS + 1, vocab)
-    )
-    mass = leftover.sum(-1, keepdim=True)
-    correction = torch.where(mass > 0, leftover / mass.clamp_min(torch.finfo(mass.dtype).tiny), p64)
-    chain = q64[drafts].prod(-1)  # [V^2]
-    # tau, the drafts kept, is the last i whose eta_i < h_i (keeping none always passes): it stops at j
-    # when j passes and every later one fails
-    h = F.pad(h, (1, 0), value=1.0)
-    stop = [h[:, j] * (1 - h[:, j + 1 :]).prod(-1) * chain for j in range(SAMPLER_DRAFTS + 1)]
-    law = torch.zeros(vocab, vocab, dtype=torch.float64)
-    law.index_put_((drafts[:, 0], drafts[:, 1]), stop[2], accumulate=True)  # both kept
-    law.index_add_(0, drafts[:, 0], stop[1][:, None] * correction[:, 1])  # x_1 kept, then its correction
-    law += torch.outer(stop[0] @ correction[:, 0], p64)  # the correction, then the target's next token
-    return law
-
-
-def exact_errors(shapes: list[tuple[str, torch.Tensor, torch.Tensor]], verification: str) -> tuple[list[float], str]:
-    """max |P - p| per shape for the configured rule's exact law, and what was computed."""
-    if verification == "token":
-        errors = [float((exact_output(p, q) - p.double()).abs().max()) for _, p, q in shapes]
-        return errors, f"exact output distribution from the formula, {len(shapes)} shapes, V={len(shapes[0][1])}"
-    errors = []
-    for _, p, q in shapes:
-        likeliest = (p + q).topk(EXACT_BLOCK_VOCAB).indices
-        p_top, q_top = (x[likeliest].double() / x[likeliest].double().sum() for x in (p, q))
-        errors.append(float((exact_block_output(p_top, q_top) - torch.outer(p_top, p_top)).abs().max()))
-    what = (
-        f"exact law of 2 block-verified drafts from block_acceptance, {len(shapes)} shapes on their "
-        f"{EXACT_BLOCK_VOCAB} likeliest tokens"
-    )
-    return errors, what
 
 
 def sampler_draws(
@@ -622,10 +391,6 @@ class Settings:
     batch_size: int = 1  # the speculative runs are rows of batches of this many copies of a prompt
 
 
-def describe_params(params: SamplingParams) -> str:
-    return f"temperature {params.temperature:g}, top-k {params.top_k or 'off'}, top-p {params.top_p:g}"
-
-
 def run_checks(pair: Pair, settings: Settings, stage: Stage = no_progress) -> list[Row]:
     """Every check on every prompt; Holm is applied over all the statistical rows together."""
     s = settings
@@ -653,113 +418,3 @@ def run_checks(pair: Pair, settings: Settings, stage: Stage = no_progress) -> li
     ]
     holm(rows, s.significance)
     return rows
-
-
-# ---------------------------------------------------------------- the command
-
-# Default prompts: a chat turn whose template repeats tokens, so an n-gram drafter finds matches too.
-DEFAULT_PROMPTS = [
-    "Write a short story about a robot who learns to paint.",
-    "List three facts about the moon, one per line.",
-]
-SMALL_MODEL_PARAMETERS = 50_000_000
-# speculative runs per prompt: the tiny pair affords many; for a 100M+ model on a small CPU, 150 runs
-# already take minutes (docs/experiments/2026-11-29-shipped-draft.md, "verify-distribution")
-DEFAULT_SAMPLES = {"small": 1000, "large": 150}
-SAMPLER_DRAWS_PER_RUN = 10  # the sampler alone is cheap: test it with more draws than model runs
-MIN_SAMPLER_DRAWS = 3000
-
-
-def default_samples(pair: Pair) -> int:
-    size = sum(p.numel() for p in pair.target.model.parameters())
-    return DEFAULT_SAMPLES["small" if size < SMALL_MODEL_PARAMETERS else "large"]
-
-
-def check_options(samples: int | None, significance: float) -> None:
-    if samples is not None and samples < 2:
-        raise SpecdecError(f"--samples must be at least 2, got {samples}")
-    if not 0 < significance < 1:
-        raise SpecdecError(f"--significance must be in (0, 1), got {significance}")
-
-
-def make_settings(
-    pair: Pair, prompts: list[str], samples: int | None, significance: float, batch_size: int = 1
-) -> Settings:
-    """The distribution checks use the config's sampling settings, at temperature 1 if it is greedy."""
-    s = pair.config.sampling
-    runs = samples or default_samples(pair)
-    return Settings(
-        params=SamplingParams.from_config(s, s.temperature or 1.0),
-        samples=runs,
-        sampler_draws=max(MIN_SAMPLER_DRAWS, SAMPLER_DRAWS_PER_RUN * runs),
-        significance=significance,
-        seed=s.seed,
-        greedy_tokens=pair.config.generation.max_new_tokens,
-        prompts=prompts or DEFAULT_PROMPTS,
-        batch_size=batch_size,
-    )
-
-
-def too_few_ran(rows: list[Row]) -> str | None:
-    """Why the run says nothing, if it does not: none of the statistical tests on the model pair ran, or
-    fewer than half of all of them (too few draws)."""
-    tests = [r for r in rows if r.p_value is not None or r.status == NOT_RUN]
-    ran = [r for r in tests if r.status != NOT_RUN]
-    on_pair = sum(r.check.startswith(MODEL_CHECKS) for r in ran)
-    if on_pair and 2 * len(ran) >= len(tests):
-        return None
-    return f"too few draws to test: {len(ran)} of {len(tests)} statistical checks ran, {on_pair} on the model pair"
-
-
-def verify_distribution(
-    cfg: Config, prompts: list[str], samples: int | None, significance: float, as_json: bool, batch_size: int = 1
-) -> None:
-    """Load the pair, run every check with a progress bar on stderr, print the table (or the JSON
-    record), write the record; a failed check raises with EXIT_CHECK_FAILED, and too few checks run (too
-    few draws) with EXIT_BAD_INPUT."""
-    check_options(samples, significance)
-    with display.stderr.status(f"Loading {cfg.target.describe()} and {cfg.draft.describe()}..."):
-        pair = load_pair(cfg)
-    settings = make_settings(pair, prompts, samples, significance, batch_size)
-    start = time.perf_counter()
-    with display.progress() as bar:
-        rows = run_checks(pair, settings, display.progress_stage(bar))
-    seconds = time.perf_counter() - start
-    count = Counter(r.status for r in rows)
-    failed = [r for r in rows if r.status == FAIL]
-    too_few = too_few_ran(rows)
-    env = pair.describe()
-    record = {
-        **records.header("verify-distribution", cfg, env),
-        "verdict": "fail" if failed else "inconclusive" if too_few else "pass",
-        "seconds": seconds,
-        "summary": {"passed": count[PASS], "failed": count[FAIL], "not_run": count[NOT_RUN]},
-        "settings": {
-            **asdict(settings),
-            "gamma": cfg.speculation.num_draft_tokens,
-            "multiplicity": "holm",
-            "min_expected_per_bin": MIN_EXPECTED,
-        },
-        "checks": [asdict(r) for r in rows],
-    }
-
-    def show() -> None:
-        title = (
-            f"{cfg.name}: {describe_params(settings.params)}, {cfg.describe_drafting()}, "
-            f"{cfg.describe_verification()}, "
-            f"{settings.samples} runs per prompt in batches of {batch_size}, "
-            f"{settings.sampler_draws} sampler draws per shape, "
-            f"significance {significance:g} (Holm over {sum(r.alpha is not None for r in rows)} tests)"
-        )
-        display.stdout.print(display.verification_table(rows, title, display.environment_caption(env)))
-        display.stderr.print(
-            f"{count[PASS]} passed, {count[FAIL]} failed, {count[NOT_RUN]} not run in {seconds:.0f} s."
-        )
-
-    records.finish("verify-distribution", cfg.name, record, as_json, show)
-    if failed:
-        raise SpecdecError(
-            f"{len(failed)} check(s) failed: " + "; ".join(f"{r.check} ({r.what})" for r in failed), EXIT_CHECK_FAILED
-        )
-    if too_few:
-        raise SpecdecError(f"{too_few}; raise --samples (was {settings.samples})", EXIT_BAD_INPUT)
