@@ -38,6 +38,7 @@ from specdec_cli.options import (
     read_prompt,
     reports_errors,
 )
+from specdec_cli.records import Run
 
 app = typer.Typer(
     name="specdec",
@@ -145,8 +146,6 @@ def generate(
     config's YAML values."""
     cfg = configure(
         config,
-        runs_dir,
-        record,
         tree,
         sampling__temperature=temperature,
         sampling__top_k=top_k,
@@ -171,16 +170,16 @@ def generate(
         from specdec_cli.commands.generate import generate_vllm
 
         many = load_prompts(prompts) if prompts else [Prompt("1", "prompt", [read_prompt(prompt, prompt_file)])]
-        return generate_vllm(cfg, many, raw, as_json)
+        return generate_vllm(cfg, many, raw, Run(runs_dir, record, as_json))
     if prompts is not None:
         many = load_prompts(prompts)
         from specdec_cli.commands.generate import generate_many  # torch/transformers load only once arguments are fine
 
-        return generate_many(cfg, many, raw, batch_size, as_json)
+        return generate_many(cfg, many, raw, batch_size, Run(runs_dir, record, as_json))
     text = read_prompt(prompt, prompt_file)
     from specdec_cli.commands.generate import generate_one
 
-    generate_one(cfg, text, raw, as_json)
+    generate_one(cfg, text, raw, Run(runs_dir, record, as_json))
 
 
 @command(
@@ -274,8 +273,6 @@ def benchmark(
     with record.json, report.md and its charts (chart.png, chart.svg)."""
     cfg = configure(
         config,
-        runs_dir,
-        record,
         sampling__seed=seed,
         speculation__confidence_threshold=confidence_threshold,
         generation__max_new_tokens=max_new_tokens,
@@ -299,7 +296,7 @@ def benchmark(
     selected = choose_prompts(prompts, category, limit)
     from specdec_cli.commands.benchmark import execute  # torch/transformers load only once arguments are fine
 
-    execute(cfg, selected, plan, as_json, min_speedup, min_accept_length)
+    execute(cfg, selected, plan, Run(runs_dir, record, as_json), min_speedup, min_accept_length)
 
 
 @command(
@@ -321,8 +318,7 @@ def compare(
     runs' charts side by side on shared scales (chart.png, chart.svg)."""
     from specdec_cli.commands.compare import compare as compare_records
 
-    records.configure(runs_dir, record)
-    compare_records(a, b, as_json)
+    compare_records(a, b, Run(runs_dir, record, as_json))
 
 
 @command(
@@ -378,8 +374,6 @@ def verify_distribution(
         raise SpecdecError("the distribution checks need --temperature > 0 (greedy identity always runs)")
     cfg = configure(
         config,
-        runs_dir,
-        record,
         tree,
         sampling__temperature=temperature,
         sampling__top_k=top_k,
@@ -393,7 +387,7 @@ def verify_distribution(
         runtime__dtype=dtype,
         runtime__threads=threads,
     )
-    run_verification(cfg, prompt or [], samples, significance, as_json, batch_size)
+    run_verification(cfg, prompt or [], samples, significance, Run(runs_dir, record, as_json), batch_size)
 
 
 @command(
@@ -516,8 +510,6 @@ def distill(
 
     cfg = configure(
         config,
-        runs_dir,
-        record,
         sampling__seed=seed,
         runtime__device=device,
         runtime__dtype=dtype,
@@ -547,7 +539,7 @@ def distill(
         format=draft_format.value,
         layout=layout.value,
     )
-    distillation.distill(cfg, texts, settings, out, keep_work, answers)
+    distillation.distill(cfg, texts, settings, out, keep_work, answers, Run(runs_dir, record))
 
 
 def parse_count(text: str, flag: str) -> int:
@@ -609,7 +601,7 @@ def corpus(
     a draft on. Ctrl-C or a stopped machine loses at most the shard being written."""
     from specdec_cli.bench.prompts import builtin_suite
 
-    cfg = configure(config, runs_dir, record, sampling__seed=seed, runtime__threads=threads)
+    cfg = configure(config, sampling__seed=seed, runtime__threads=threads)
     target_tokens = parse_count(tokens, "--tokens")
     shade = parse_list(temperatures, float, "--temperatures")
     if not shade or any(t < 0 for t in shade):
@@ -628,11 +620,10 @@ def corpus(
     )
     manifest = writing.write_corpus(cfg, shape, target_tokens, out, engine.value, dtype, batch_size, excluded)
     summary = writing.summary(manifest)
-    records.finish(
+    Run(runs_dir, record, json_output).finish(
         "corpus",
         cfg.name,
         {**records.header("corpus", cfg), "out": str(out), **summary},
-        json_output,
         lambda: display.stdout.print(
             f"{out}: {summary['answers']:,} answers, {summary['answer_tokens']:,} answer tokens in "
             f"{summary['shards']} shards, {summary['tokens_per_second']:.0f} answer tokens/s while writing",

@@ -10,7 +10,6 @@ from typing import Annotated, Optional
 
 import typer
 
-from specdec_cli import records
 from specdec_cli.config import DEFAULT_CONFIG, Config, apply_overrides, load_config, parse_tree
 from specdec_cli.errors import SpecdecError, out_of_memory, read_text
 
@@ -86,13 +85,9 @@ def reports_errors(command):
     return wrapper
 
 
-def configure(
-    config: str | None, runs_dir: Path | None = None, record: bool = True, tree: str | None = None, **overrides
-) -> Config:
-    """Load the YAML and apply flags given as section__key=value (None: not given); say where the
-    run's record goes. `tree`: --tree's text. --num-draft-tokens asks for a chain and --tree for a tree, over
-    whichever the YAML has."""
-    records.configure(runs_dir, record)
+def configure(config: str | None, tree: str | None = None, **overrides) -> Config:
+    """Load the YAML and apply flags given as section__key=value (None: not given). `tree`: --tree's
+    text. --num-draft-tokens asks for a chain and --tree for a tree, over whichever the YAML has."""
     cfg = load_config(config)
     if overrides.get("speculation__num_draft_tokens") is not None:
         if tree is not None:

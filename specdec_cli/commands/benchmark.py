@@ -39,7 +39,7 @@ def execute(
     cfg: Config,
     prompts: list[Prompt],
     plan: Plan,
-    as_json: bool,
+    run: records.Run,
     min_speedup: float | None,
     min_accept_length: float | None,
 ) -> None:
@@ -49,7 +49,7 @@ def execute(
         caption = f"{caption} {measured.warning}"
     summary = summarize(measured.runs, plan.engine)
     record = benchmark_record(cfg, pair, prompts, plan, measured, summary, caption)
-    report(cfg, record, as_json)
+    report(cfg, record, run)
     if measured.partial:
         display.stderr.print("Interrupted: the record holds the prompts finished in every mode (partial: true).")
         raise KeyboardInterrupt
@@ -181,7 +181,7 @@ def benchmark_record(
     }
 
 
-def report(cfg: Config, record: dict, as_json: bool) -> None:
+def report(cfg: Config, record: dict, run: records.Run) -> None:
     """The record, its tables (on stdout, and as report.md with the charts beside the record)."""
     rule = verification(record)
     summary, peers = record["summary"], record["peers"]
@@ -193,7 +193,7 @@ def report(cfg: Config, record: dict, as_json: bool) -> None:
         + ([peer_report(peers, record["peer_fairness"])] if peers else [])
         + ([batch_report(record["batch_summary"], rule)] if record["batch_runs"] else [])
     )
-    chart_files = charts.draw([(charts.heading(record), record)]) if records.recording else {}
+    chart_files = charts.draw([(charts.heading(record), record)]) if run.recording else {}
     markdown = markdown_document(record, tables, list(chart_files))
 
     def show() -> None:
@@ -201,4 +201,4 @@ def report(cfg: Config, record: dict, as_json: bool) -> None:
             display.stdout.print(rich_table(table))
         display.stdout.print(environment_caption(record["environment"]))
 
-    records.finish("benchmark", cfg.name, record, as_json, show, {"report.md": markdown, **chart_files})
+    run.finish("benchmark", cfg.name, record, show, {"report.md": markdown, **chart_files})

@@ -29,7 +29,7 @@ def load_record(path: Path) -> dict:
     return record
 
 
-def compare(a: Path, b: Path, as_json: bool) -> None:
+def compare(a: Path, b: Path, run: records.Run) -> None:
     """Print the table of A and B and write it, with both records' charts side by side, to a run folder
     runs/<time>-compare-<A's name>-vs-<B's name>/."""
     record_a, record_b = load_record(a), load_record(b)
@@ -44,16 +44,15 @@ def compare(a: Path, b: Path, as_json: bool) -> None:
     }
     files = (
         charts.draw([(f"A: {charts.heading(record_a)}", record_a), (f"B: {charts.heading(record_b)}", record_b)])
-        if records.recording
+        if run.recording
         else {}
     )
     report = "\n".join(["# specdec compare", "", *chart_links(list(files)), markdown(table)])
     name = f"{record_a['name']}-vs-{record_b['name']}"
-    records.finish(
+    run.finish(
         "compare",
         name,
         record,
-        as_json,
         lambda: display.stdout.print(rich_table(table)),
         {"report.md": report, **files},
     )

@@ -28,13 +28,13 @@ def title(cfg: Config, extra: str = "") -> str:
     return f"{cfg.name}: {cfg.describe_drafting()}, {cfg.describe_verification()}, {mode}{extra}"
 
 
-def generate_one(cfg: Config, text: str, raw: bool, as_json: bool) -> None:
+def generate_one(cfg: Config, text: str, raw: bool, run: records.Run) -> None:
     """Stream the answer (accepted draft tokens in green), then the statistics."""
     pair = load(cfg)
     prompt_ids = pair.encode(text, raw=raw)
     pair.check_fits(prompt_ids, cfg.generation.max_new_tokens)
     # with --json the stream only collects tokens, so Ctrl-C can still save what was generated
-    stream = display.TokenStream(pair.tokenizer, None if as_json else display.stdout)
+    stream = display.TokenStream(pair.tokenizer, None if run.as_json else display.stdout)
     decoder = pair.decoder(SamplingParams.from_config(cfg.sampling))
     record = {
         **records.header("generate", cfg, pair.describe()),
@@ -55,16 +55,16 @@ def generate_one(cfg: Config, text: str, raw: bool, as_json: bool) -> None:
     except KeyboardInterrupt:
         record.update(partial=True, token_ids=stream.token_ids, text=stream.text)
         stream.close()
-        display.stderr.print(records.write_record("generate", cfg.name, record))
+        display.stderr.print(run.write("generate", cfg.name, record))
         raise
     stream.close()
     stats = result.stats(decoder.gamma)
     record.update(text=stream.text, token_ids=result.token_ids, stats=stats, steps=[vars(s) for s in result.steps])
     table = display.generation_table(stats, record["environment"], title(cfg))
-    records.finish("generate", cfg.name, record, as_json, lambda: display.stderr.print(table))
+    run.finish("generate", cfg.name, record, lambda: display.stderr.print(table))
 
 
-def generate_many(cfg: Config, prompts: list[Prompt], raw: bool, batch_size: int, as_json: bool) -> None:
+def generate_many(cfg: Config, prompts: list[Prompt], raw: bool, batch_size: int, run: records.Run) -> None:
     """Decode the prompts' first turns `batch_size` at a time; print each answer, then a table with
     a row per prompt and one overall. Ctrl-C keeps the finished batches in a partial record."""
     pair = load(cfg)
@@ -102,7 +102,7 @@ def generate_many(cfg: Config, prompts: list[Prompt], raw: bool, batch_size: int
     results = [r for rows in batches for r in rows]
     overall = combined(batches).stats(decoder.gamma) if batches else None
     record.update(partial=partial)
-    report_many(cfg, record, prompts, encoded, results, overall, pair.tokenizer, decoder.gamma, as_json, batch_size)
+    report_many(cfg, record, prompts, encoded, results, overall, pair.tokenizer, decoder.gamma, run, batch_size)
     if partial:
         display.stderr.print("Interrupted: the record holds the finished batches (partial: true).")
         raise KeyboardInterrupt
@@ -117,7 +117,7 @@ def report_many(
     overall: dict | None,
     tokenizer: PreTrainedTokenizerBase,
     gamma: int,
-    as_json: bool,
+    run: records.Run,
     batch_size: int | None,
 ) -> None:
     """Each prompt's answer, then a table with a row per prompt and one overall; the record gets the
@@ -144,10 +144,10 @@ def report_many(
             batches = f", batches of {batch_size}" if batch_size else ""
             display.stderr.print(display.batch_table(rows, overall, record["environment"], title(cfg, batches)))
 
-    records.finish("generate", cfg.name, record, as_json, show)
+    run.finish("generate", cfg.name, record, show)
 
 
-def generate_vllm(cfg: Config, prompts: list[Prompt], raw: bool, as_json: bool) -> None:
+def generate_vllm(cfg: Config, prompts: list[Prompt], raw: bool, run: records.Run) -> None:
     """The config in vLLM (its own environment: setup-vllm) instead of specdec's loop: the prompts' first
     turns, encoded by specdec, in one call that vLLM schedules itself; the draft as its speculative_config.
     Times are the call's, end to end."""
@@ -188,4 +188,4 @@ def generate_vllm(cfg: Config, prompts: list[Prompt], raw: bool, as_json: bool) 
         "seed": cfg.sampling.seed,
     }
     overall = combined([results]).stats(gamma)
-    report_many(cfg, record, prompts, encoded, results, overall, tokenizer, gamma, as_json, None)
+    report_many(cfg, record, prompts, encoded, results, overall, tokenizer, gamma, run, None)

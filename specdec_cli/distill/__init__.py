@@ -54,7 +54,13 @@ __all__ = ["DistillSettings", "distill"]
 
 
 def distill(
-    cfg: Config, prompts: list[str], settings: DistillSettings, out: Path, keep_work: bool, answers: Path | None = None
+    cfg: Config,
+    prompts: list[str],
+    settings: DistillSettings,
+    out: Path,
+    keep_work: bool,
+    answers: Path | None,
+    run: records.Run,
 ) -> None:
     """The whole command: corpus (written by the target, or `answers` it labels), training, the saved
     draft and its record."""
@@ -95,7 +101,7 @@ def distill(
     save(draft, target, tokenizer, out, cfg.target.describe(), log, settings)
     if not keep_work:
         shutil.rmtree(work)
-    written = records.write_record(
+    written = run.write(
         "distill",
         cfg.name,
         {

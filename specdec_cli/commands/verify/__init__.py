@@ -93,7 +93,7 @@ def too_few_ran(rows: list[Row]) -> str | None:
 
 
 def verify_distribution(
-    cfg: Config, prompts: list[str], samples: int | None, significance: float, as_json: bool, batch_size: int = 1
+    cfg: Config, prompts: list[str], samples: int | None, significance: float, run: records.Run, batch_size: int = 1
 ) -> None:
     """Load the pair, run every check with a progress bar on stderr, print the table (or the JSON
     record), write the record; a failed check raises with EXIT_CHECK_FAILED, and too few checks run (too
@@ -137,7 +137,7 @@ def verify_distribution(
             f"{count[PASS]} passed, {count[FAIL]} failed, {count[NOT_RUN]} not run in {seconds:.0f} s."
         )
 
-    records.finish("verify-distribution", cfg.name, record, as_json, show)
+    run.finish("verify-distribution", cfg.name, record, show)
     if failed:
         raise SpecdecError(
             f"{len(failed)} check(s) failed: " + "; ".join(f"{r.check} ({r.what})" for r in failed), EXIT_CHECK_FAILED
