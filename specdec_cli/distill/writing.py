@@ -242,7 +242,8 @@ def write_shard(
     began = time.perf_counter()
     answers = writer.answer(ids, temperature, shape.answer_tokens, shape.seed * 100_003 + index)
     seconds = time.perf_counter() - began
-    kinds = [[k.name for k in maker.kinds].index(p.kind) for p in prompts]
+    number = {k.name: i for i, k in enumerate(maker.kinds)}
+    kinds = [number[p.kind] for p in prompts]
     texts = [p.text for p in prompts]
     save_shard(out, index, texts, ids, answers, kinds, ids_dtype(len(writer.tokenizer)))
     entry = {
