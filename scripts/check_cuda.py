@@ -1,18 +1,27 @@
 #!/usr/bin/env python3
-"""Check specdec's CUDA path end to end on a machine with an NVIDIA GPU, and print one summary.
+"""Check specdec's CUDA path on a machine with an NVIDIA GPU in one prepared run, and print one summary.
 
-    python scripts/check_cuda.py            # with specdec installed (pip install -e '.[test]')
+    python scripts/check_cuda.py [--budget-minutes 8] [--out DIR]
+    python scripts/check_cuda.py --dry-run    # the same steps on the CPU at tiny sizes (the tests run it)
 
-It runs the CUDA-marked tests (among them the decode loop of every drafter under
-`torch.cuda.set_sync_debug_mode("error")`, and timing on cuda:1 where there are two GPUs), then
-generate, verify-distribution and benchmark on the tiny random pair and on the default SmolLM2 pair
-(bfloat16 and CUDA-event timing, the defaults on CUDA; batches of 1 and 4), and prints a table of
-what passed with tokens/s, speedup and acceptance. Exit 0 when all passed.
+specdec runs from this source tree on the packages installed; no step needs a network. Each step is
+a subprocess with a time limit, and the run as a whole keeps to the budget: a step that runs out is
+reported and the next one runs. The steps:
+1. the CUDA-marked tests;
+2. the decode loop of every drafter, batches of 4, greedy and sampled, under
+   `torch.cuda.set_sync_debug_mode("error")` (tests/test_host_syncs.py);
+3. generate, verify-distribution and benchmark (batch 1 and 4) on the tiny random pair;
+4. scripts/random_shapes.py: the verification cost by width, eager and CUDA-graph replayed, and
+   speculative against target-alone tokens/s beside the prediction, at Llama-3.1-8B shapes.
+Exit 0 when every step passed. `--out` keeps each step's output and summary.json.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -20,24 +29,27 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECDEC = [sys.executable, "-m", "specdec_cli"]
+PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
 
 
-def run(name: str, command: list[str]) -> tuple[str, bool, float, str]:
-    start = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    seconds = time.perf_counter() - start
-    ok = done.returncode == 0
-    if not ok:
-        print(f"--- {name} failed (exit {done.returncode}):\n{done.stderr[-3000:]}", file=sys.stderr)
-    return name, ok, seconds, done.stdout
+def run(command: list[str], limit: float, env: dict) -> tuple[int | None, str, str]:
+    """(exit status, None when it ran out of time; stdout; stderr). The whole process group is
+    stopped at the limit, pytest's or specdec's children too."""
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = process.communicate(timeout=limit)
+        return process.returncode, out, err
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate()
+        return None, out, err
 
 
 def generate_figures(out: str) -> str:
     s = json.loads(out)["stats"]
-    return (
-        f"{s['tokens_per_second']:.1f} tok/s, {s['mean_accepted_length']:.2f} tokens/forward, "
-        f"acceptance {s['acceptance_rate'] or 0:.0%}"
-    )
+    return f"{s['tokens_per_second']:.1f} tok/s, {s['mean_accepted_length']:.2f} tokens/forward"
 
 
 def verify_figures(out: str) -> str:
@@ -48,64 +60,119 @@ def verify_figures(out: str) -> str:
 def benchmark_figures(out: str) -> str:
     rows = json.loads(out)["batch_summary"]
     return "; ".join(
-        f"batch {r['batch_size']}, T={r['temperature']:g}: {r['baseline_tokens_per_second'][0]:.1f} -> "
-        f"{r['speculative_tokens_per_second'][0]:.1f} tok/s ({r['speedup'][0]:.2f}x), "
+        f"batch {r['batch_size']}, T={r['temperature']:g}: {r['speedup'][0]:.2f}x, "
         f"{r['mean_accepted_length']:.2f} tokens/forward"
         for r in rows
     )
 
 
+def last_line(out: str) -> str:
+    lines = out.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+def steps(dry_run: bool, out_dir: Path) -> list[tuple[str, list[str], float, object]]:
+    """(name, command, time limit in seconds, what to read from its stdout)."""
+    device = "cpu" if dry_run else "cuda"
+    # the dry run checks that the selections hold tests; on the CPU they would only skip
+    collect = ["--collect-only"] if dry_run else []
+    shapes = [sys.executable, "scripts/random_shapes.py", "--json", str(out_dir / "random_shapes.json")]
+    common = ["-c", "tiny-random", "--device", device, "--json", "--no-record"]
+    samples, prompts, tokens = ("40", "1", "8") if dry_run else ("150", "4", "32")
+    return [
+        (
+            "CUDA tests",
+            [*PYTEST, *collect, "-m", "cuda", "tests", "--deselect", "tests/test_host_syncs.py"],
+            150,
+            last_line,
+        ),
+        (
+            "one sync per block (sync debug mode)",
+            [*PYTEST, *collect, "-m", "cuda", "tests/test_host_syncs.py"],
+            90,
+            last_line,
+        ),
+        (
+            "tiny pair: generate",
+            [*SPECDEC, "generate", *common, "--prompt", "Explain KV caches."],
+            40,
+            generate_figures,
+        ),
+        (
+            "tiny pair: verify-distribution",
+            [*SPECDEC, "verify-distribution", *common, "--samples", samples],
+            120,
+            verify_figures,
+        ),
+        (
+            "tiny pair: benchmark, batch 1 and 4",
+            [*SPECDEC, "benchmark", *common, "--limit", prompts, "--batch-sizes", "1,4", "--max-new-tokens", tokens],
+            60,
+            benchmark_figures,
+        ),
+        ("random weights at 8B shapes", [*shapes, "--dry-run"] if dry_run else shapes, 240, None),
+    ]
+
+
+def shapes_figures(path: Path) -> str:
+    result = json.loads(path.read_text())
+    longest = max(row["context"] for row in result["verification"])
+    widths = {row["width"]: row for row in result["verification"] if row["context"] == longest}
+    parts = [
+        f"verify width {w} at {row['context']}: {row['eager_ms']:.1f} ms eager"
+        + (f", {row['captured_ms']:.1f} ms captured" if "captured_ms" in row else "")
+        for w, row in widths.items()
+        if w in (1, min(widths, key=lambda x: abs(x - 5)), max(widths))
+    ]
+    for row in result["speculative"]:
+        if "speedup" in row:
+            predicted = row["predicted_speedup"]
+            parts.append(f"{row['draft']} batch {row['batch']}: {row['speedup']:.2f}x (predicted {predicted:.2f}x)")
+    return "; ".join(parts)
+
+
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="the same steps on the CPU at tiny sizes")
+    parser.add_argument("--budget-minutes", type=float, default=8.0, help="the whole run's limit")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "check-cuda", help="each step's output")
+    args = parser.parse_args()
+
     import torch
 
-    if not torch.cuda.is_available():
-        print("No CUDA GPU: nothing to check (torch " + torch.__version__ + ")", file=sys.stderr)
+    if not args.dry_run and not torch.cuda.is_available():
+        print(f"Error: no CUDA GPU (torch {torch.__version__}); --dry-run checks this on the CPU", file=sys.stderr)
         return 2
-    tests = [sys.executable, "-m", "pytest", "-q", "-m", "cuda"]
-    steps = [
-        ("CUDA tests", [*tests, "tests"], None),
-        # every drafter, batches of 4, greedy and sampled, under set_sync_debug_mode("error")
-        ("one sync per block (sync debug mode)", [*tests, "tests/test_host_syncs.py"], None),
-    ]
-    if torch.cuda.device_count() > 1:  # timing and placement on a GPU that is not the current one
-        steps.append(
-            (
-                "cuda:1: generate",
-                SPECDEC + ["generate", "-c", "tiny-random", "--device", "cuda:1", "--json", "--prompt", "Hi"],
-                generate_figures,
-            )
-        )
-    for config, samples, tokens in (("tiny-random", "300", "64"), ("smollm2-draft", "150", "128")):
-        common = ["-c", config, "--device", "cuda", "--json"]
-        steps += [
-            (
-                f"{config}: generate",
-                SPECDEC + ["generate", *common, "--prompt", "Explain KV caches briefly.", "--max-new-tokens", tokens],
-                generate_figures,
-            ),
-            (
-                f"{config}: verify-distribution",
-                SPECDEC + ["verify-distribution", *common, "--samples", samples],
-                verify_figures,
-            ),
-            (
-                f"{config}: benchmark",
-                SPECDEC + ["benchmark", *common, "--limit", "1", "--max-new-tokens", tokens],
-                benchmark_figures,
-            ),
-        ]
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    deadline = time.monotonic() + 60 * args.budget_minutes
     rows = []
-    for name, command, figures in steps:
+    for index, (name, command, limit, figures) in enumerate(steps(args.dry_run, args.out)):
+        left = deadline - time.monotonic()
+        if left < 5:
+            rows.append({"step": name, "status": "not run: budget spent", "seconds": 0.0, "detail": ""})
+            continue
         print(f"running {name} ...", file=sys.stderr, flush=True)
-        name, ok, seconds, out = run(name, command)
-        detail = out.strip().splitlines()[-1] if figures is None and out.strip() else ""
-        if ok and figures is not None:
-            detail = figures(out)
-        rows.append((name, ok, seconds, detail))
-    print(f"\nspecdec CUDA check: {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
-    for name, ok, seconds, detail in rows:
-        print(f"{'PASS' if ok else 'FAIL'}  {name:34s} {seconds:6.1f} s  {detail}")
-    return 0 if all(ok for _, ok, _, _ in rows) else 1
+        start = time.monotonic()
+        limit = min(limit, left)
+        code, out, err = run(command, limit, env)
+        seconds = time.monotonic() - start
+        (args.out / f"step-{index}.log").write_text(f"$ {' '.join(command)}\n--- stdout\n{out}\n--- stderr\n{err}")
+        status = "PASS" if code == 0 else f"FAIL (exit {code})" if code is not None else f"FAIL (over {limit:.0f} s)"
+        detail = last_line(err)
+        if code == 0:
+            try:
+                detail = shapes_figures(args.out / "random_shapes.json") if figures is None else figures(out)
+            except (ValueError, KeyError, TypeError, OSError):
+                pass
+        rows.append({"step": name, "status": status, "seconds": seconds, "detail": detail})
+    where = "CPU (dry run)" if args.dry_run else torch.cuda.get_device_name()
+    summary = {"device": where, "torch": torch.__version__, "cuda": torch.version.cuda, "steps": rows}
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(f"\nspecdec CUDA check: {where}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+    for row in rows:
+        print(f"{row['status']:24s} {row['step']:38s} {row['seconds']:6.1f} s  {row['detail']}")
+    return 0 if all(row["status"] == "PASS" for row in rows) else 1
 
 
 if __name__ == "__main__":
