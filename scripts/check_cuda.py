@@ -119,12 +119,13 @@ def shapes_figures(path: Path) -> str:
     longest = max(row["context"] for row in result["verification"])
     widths = {row["width"]: row for row in result["verification"] if row["context"] == longest}
     parts = [
-        f"verify width {w} at {row['context']}: {row['eager_ms']:.1f} ms eager"
-        + (f", {row['captured_ms']:.1f} ms captured" if "captured_ms" in row else "")
+        f"verify width {w} at {row['context']}: {row['eager_ms']:.1f} ms eager, {row['graphs_ms']:.1f} ms graphs"
         for w, row in widths.items()
         if w in (1, min(widths, key=lambda x: abs(x - 5)), max(widths))
     ]
     for row in result["speculative"]:
+        if "speedup_over_eager" in row:
+            parts.append(f"target alone batch {row['batch']} with graphs: {row['speedup_over_eager']:.2f}x eager")
         if "speedup" in row:
             predicted = row["predicted_speedup"]
             parts.append(f"{row['draft']} batch {row['batch']}: {row['speedup']:.2f}x (predicted {predicted:.2f}x)")

@@ -7,11 +7,11 @@ draft (written as an EAGLE-3 folder and read by specdec's loader).
     python scripts/random_shapes.py --dry-run --json OUT.json  # on the CPU at tiny shapes, float32
 
 It measures:
-- the target's verification forward by width at two context lengths, eager (specdec's forward) and
-  replayed from a CUDA graph captured over the same inputs (on CUDA only), with the largest
-  difference between their logits;
+- the target's verification forward by width at two context lengths, eager and replayed from CUDA
+  graphs (`runtime.cuda_graphs`), with the largest difference between their logits;
 - target alone against speculative decoding with each draft, tokens/s and speedup beside the
-  speedup predicted from the run's measured parts (metrics.predicted_speedup_from_parts).
+  speedup predicted from the run's measured parts (metrics.predicted_speedup_from_parts), eager and
+  (on CUDA) with graphs.
 
 Random weights give real costs (they depend on shapes only) but no acceptance, so acceptance is
 set by a knob: the draft runs in full, then each of its tokens is replaced by the target's own next
@@ -175,84 +175,67 @@ class Timer:
 
 
 @torch.inference_mode()
-def verification_costs(target: CachedModel, widths, contexts, repeats: int) -> list[dict]:
-    """Per context and width: specdec's eager forward, and (CUDA) a graph of the same forward."""
-    timer, rows = Timer(target.device), []
-    vocab = target.vocab_size
+def verification_costs(eager: CachedModel, graphed: CachedModel, widths, contexts, repeats: int) -> list[dict]:
+    """Per context and width: a verification forward of the same model eagerly and replayed from its
+    graph (on a CPU: the graphs' fixed tensors run eagerly), and the largest difference of their logits."""
+    timer, rows = Timer(eager.device), []
+    vocab = eager.vocab_size
     for context in contexts:
-        target.reset(context + max(widths) + 1)
-        gen = torch.Generator(device=target.device).manual_seed(1)
-        target.forward(torch.randint(vocab, (1, context), device=target.device, generator=gen), logits="none")
+        gen = torch.Generator(device=eager.device).manual_seed(1)
+        prompt = torch.randint(vocab, (1, context), device=eager.device, generator=gen)
+        for model in (eager, graphed):
+            model.reset(context + max(widths) + 1)
+            model.forward(prompt, logits="none")
         for width in widths:
-            ids = torch.randint(vocab, (1, width), device=target.device, generator=gen)
+            ids = torch.randint(vocab, (1, width), device=eager.device, generator=gen)
 
-            def eager(ids=ids):
-                out = target.forward(ids).logits
-                target.rollback(ids.shape[1])
+            def run(model, ids=ids):
+                out = model.forward(ids).logits
+                model.rollback(ids.shape[1])
                 return out
 
-            row = {"context": context, "width": width, "eager_ms": 1000 * timer.median(eager, repeats)}
-            if target.device.type == "cuda":
-                try:
-                    replay, logits = captured(target, ids)
-                    row["captured_ms"] = 1000 * timer.median(replay, repeats)
-                    row["captured_vs_eager_max_abs_diff"] = float((logits - eager()).abs().max())
-                except RuntimeError as error:  # reported, and the other measurements go on
-                    row["captured_error"] = str(error).splitlines()[0]
+            row = {"context": context, "width": width}
+            row["eager_ms"] = 1000 * timer.median(lambda: run(eager), repeats)
+            row["graphs_ms"] = 1000 * timer.median(lambda: run(graphed), repeats)
+            row["graphs_vs_eager_max_abs_diff"] = float((run(graphed) - run(eager)).abs().max())
             rows.append(row)
             print(f"  verification, context {context}, width {width}: {row}", file=sys.stderr, flush=True)
     return rows
 
 
-def captured(target: CachedModel, ids: torch.Tensor):
-    """A CUDA graph of `target`'s forward over `ids` after its current context, over static inputs
-    (positions, cache write slots, mask); the cache is left as it was. Returns (replay, its logits)."""
-    cache, width = target.cache, ids.shape[1]
-    length = target.lengths[0]
-    positions = length + torch.arange(width, device=target.device)[None]
-    cache.write_positions, cache.visible = positions, length + width
-    mask = target.mask(positions)
-
-    def step():
-        return target.model(
-            input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True
-        ).logits
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        logits = step()
-    graph.replay()
-    return graph.replay, logits.float()
-
-
-def speculative_runs(target, drafts: dict, prompt: list[int], batch: int, agreement: float, gamma: int, tokens: int):
-    """Target alone, then each draft under the agreement knob, greedy, `batch` copies of `prompt`."""
+def speculative_runs(
+    target, drafts: dict, prompt: list[int], batch: int, agreement: float, gamma: int, tokens: int, label: str = ""
+):
+    """Target alone, then each draft under the agreement knob, greedy, `batch` copies of `prompt`.
+    With graphs the warm-up is a whole run, which captures every graph the measured run replays."""
     params, prompts = SamplingParams(), [prompt] * batch
+    warm_up = tokens if target.graphed is not None else 8
     alone = SpeculativeDecoder(target, None, params, 0, set())
-    alone.generate_batch(prompts, 8, seed=0, ignore_eos=True)  # warm-up
+    alone.generate_batch(prompts, warm_up, seed=0, ignore_eos=True)
     base = alone.generate_batch(prompts, tokens, seed=0, ignore_eos=True)
     base_tps = sum(len(r.token_ids) for r in base) / max(r.decode_seconds for r in base)
     answers = [r.token_ids for r in base]
     # beside the verification table's eager width-1 forward: what the loop adds around it
     block_ms = 1000 * max(r.decode_seconds for r in base) / len(base[0].steps)
-    rows = [{"draft": "none (target alone)", "batch": batch, "tokens_per_second": base_tps, "ms_per_block": block_ms}]
+    rows = [
+        {
+            "draft": f"none (target alone){label}",
+            "batch": batch,
+            "tokens_per_second": base_tps,
+            "ms_per_block": block_ms,
+        }
+    ]
     for name, inner in drafts.items():
         drafter = Agreeing(inner, answers, agreement, target)
         decoder = SpeculativeDecoder(target, drafter, params, gamma, set())
-        decoder.generate_batch(prompts, 8, seed=0, ignore_eos=True)
+        decoder.generate_batch(prompts, warm_up, seed=0, ignore_eos=True)
         spec = decoder.generate_batch(prompts, tokens, seed=0, ignore_eos=True)
         tps = sum(len(r.token_ids) for r in spec) / max(r.decode_seconds for r in spec)
         spec_steps = [s for r in spec for s in r.steps]
         costs = block_costs(spec_steps, [s for r in base for s in r.steps])
         rows.append(
             {
-                "draft": name,
+                "draft": name + label,
                 "batch": batch,
                 "gamma": gamma,
                 "agreement": agreement,
@@ -338,7 +321,8 @@ def main() -> int:
         if args.json:
             args.json.write_text(json.dumps(result, indent=1))
 
-    result["verification"] = verification_costs(target, widths, contexts, repeats)
+    graphed = CachedModel(model, target_shape["vocab_size"], drafting.state_layers, graphs=True)
+    result["verification"] = verification_costs(target, graphed, widths, contexts, repeats)
     save()
     prompt = torch.randint(target_shape["vocab_size"], (contexts[0],), generator=torch.Generator().manual_seed(2))
     for batch in batches:
@@ -347,6 +331,18 @@ def main() -> int:
             target, drafts, prompt.tolist(), batch, args.agreement, args.gamma, tokens
         )
         save()
+        if device.type == "cuda":  # the same with decoding forwards replayed from CUDA graphs
+            vocab = target_shape["vocab_size"]
+            drafts = {"1b-shaped": ModelDrafter(CachedModel(small.model, vocab, graphs=True))}
+            rows = speculative_runs(
+                graphed, drafts, prompt.tolist(), batch, args.agreement, args.gamma, tokens, ", graphs"
+            )
+            eager_alone = next(
+                r for r in result["speculative"] if r["draft"] == "none (target alone)" and r["batch"] == batch
+            )
+            rows[0]["speedup_over_eager"] = rows[0]["tokens_per_second"] / eager_alone["tokens_per_second"]
+            result["speculative"] += rows
+            save()
     if args.profile:
         args.profile.write_text(loop_profile(target, ModelDrafter(small), prompt.tolist(), args.gamma))
     ok = all(row.get("same_tokens_as_target_alone", True) for row in result["speculative"])

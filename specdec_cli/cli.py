@@ -19,6 +19,7 @@ from specdec_cli.options import (
     EXIT_INTERRUPTED,
     ConfidenceOpt,
     ConfigOpt,
+    CudaGraphsOpt,
     DeviceOpt,
     DtypeOpt,
     IgnoreEosOpt,
@@ -137,6 +138,7 @@ def generate(
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     threads: ThreadsOpt = None,
+    cuda_graphs: CudaGraphsOpt = None,
     as_json: JsonOpt = False,
     runs_dir: RunsDirOpt = None,
     record: RecordOpt = True,
@@ -159,6 +161,7 @@ def generate(
         runtime__device=device,
         runtime__dtype=dtype,
         runtime__threads=threads,
+        runtime__cuda_graphs=cuda_graphs,
     )
     if prompts is not None and (prompt is not None or prompt_file is not None):
         raise SpecdecError("give one of --prompt, --prompt-file and --prompts")
@@ -264,6 +267,7 @@ def benchmark(
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     threads: ThreadsOpt = None,
+    cuda_graphs: CudaGraphsOpt = None,
     as_json: JsonOpt = False,
     runs_dir: RunsDirOpt = None,
     record: RecordOpt = True,
@@ -280,6 +284,7 @@ def benchmark(
         runtime__device=device,
         runtime__dtype=dtype,
         runtime__threads=threads,
+        runtime__cuda_graphs=cuda_graphs,
     )
     plan = make_plan(
         cfg,

@@ -189,6 +189,9 @@ class Runtime:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     threads: int | None = None  # CPU threads for torch; None keeps torch's default
+    # off | on | auto (on where the device is a GPU): decoding forwards replay CUDA graphs
+    # (decoding/graphs.py); off by default until GPU runs have shown them exact and faster
+    cuda_graphs: str = "off"
     # with --engine vllm: vLLM's tensor and pipeline parallel sizes (GPUs per model copy, vLLM's own launch)
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -383,6 +386,10 @@ def validate(config: Config) -> None:
     r = config.runtime
     if r.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise SpecdecError(f"dtype must be auto, float32, bfloat16 or float16, got {r.dtype!r}")
+    if r.cuda_graphs not in ("off", "on", "auto"):
+        raise SpecdecError(f"cuda_graphs must be off, on or auto, got {r.cuda_graphs!r}")
+    if r.cuda_graphs == "on" and r.device == "cpu":
+        raise SpecdecError("cuda_graphs: on needs a CUDA device, and the device is cpu")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", r.device):
         raise SpecdecError(f"device must be auto, cpu, cuda or cuda:N, got {r.device!r}")
     cpus = os.cpu_count() or 1

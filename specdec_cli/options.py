@@ -52,6 +52,9 @@ IgnoreEosOpt = Annotated[
 DeviceOpt = Annotated[Optional[str], typer.Option(help="auto, cpu, cuda or cuda:N.")]
 DtypeOpt = Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16.")]
 ThreadsOpt = Annotated[Optional[int], typer.Option(help="CPU threads for torch.")]
+CudaGraphsOpt = Annotated[
+    Optional[str], typer.Option(help="off, on or auto (on for a GPU): decoding forwards replay CUDA graphs.")
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON record to stdout, nothing else.")]
 RunsDirOpt = Annotated[
     Optional[Path],

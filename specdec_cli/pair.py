@@ -114,6 +114,7 @@ class Pair:
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
             "dtype": str(self.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(),
+            "cuda_graphs": self.target.graphed is not None,
             # which product served the CPU float32 decoding matmuls (decode_matmul.py); None elsewhere
             "decode_matmul": None
             if decode_matmul.detour_is_faster is None or device.type != "cpu" or self.dtype != torch.float32
@@ -177,6 +178,9 @@ def load_pair(config: Config) -> Pair:
         torch.set_num_threads(runtime.threads)
     device = resolve_device(runtime.device)
     dtype = resolve_dtype(runtime.dtype, device)
+    if runtime.cuda_graphs == "on" and device.type != "cuda":
+        raise SpecdecError(f"cuda_graphs: on needs a CUDA device, and the device is {device}")
+    graphs = runtime.cuda_graphs != "off" and device.type == "cuda"
     model, tokenizer = load_checkpoint(config.target, device, dtype)
     vocab_size = model.get_output_embeddings().out_features
     state_layers, description, lookup = LAST, None, None
@@ -194,7 +198,7 @@ def load_pair(config: Config) -> Pair:
         kind = getattr(draft_model.config, DRAFT_FORMAT, None)
         if kind is None:  # a causal LM drafts from tokens alone
             drafting = Drafting(
-                ModelDrafter(CachedModel(draft_model, vocab_size), threshold), LAST, "reads tokens only"
+                ModelDrafter(CachedModel(draft_model, vocab_size, graphs=graphs), threshold), LAST, "reads tokens only"
             )
         else:
             drafting = FORMATS[kind].drafting(draft_model, vocab_size, threshold)
@@ -211,5 +215,5 @@ def load_pair(config: Config) -> Pair:
             "confidence_threshold applies to drafts that draft token by token (a draft model, a feature "
             "or EAGLE draft): this draft proposes its block at once"
         )
-    target = CachedModel(model, vocab_size, state_layers)
+    target = CachedModel(model, vocab_size, state_layers, graphs)
     return Pair(config, tokenizer, target, drafter, device, dtype, description, lookup)

@@ -140,6 +140,8 @@ def assert_one_line_error(result, *fragments: str, code: int = EXIT_BAD_INPUT):
             ["confidence_threshold applies to drafts that draft token by token"],
         ),
         ({"runtime": {"dtype": "float8"}}, ["dtype must be"]),
+        ({"runtime": {"cuda_graphs": "yes"}}, ["cuda_graphs must be off, on or auto, got 'yes'"]),
+        ({"runtime": {"cuda_graphs": "on"}}, ["cuda_graphs: on needs a CUDA device, and the device is cpu"]),
         ({"draft": {"checkpoint": "/nonexistent/model"}}, ["checkpoint not found: /nonexistent/model"]),
         ({"draft": {"checkpoint": "missing.gguf"}}, ["checkpoint not found: /", "/missing.gguf"]),
         ({"draft": {}}, ["`draft` needs exactly one of"]),
@@ -160,6 +162,7 @@ def test_config_errors(write_config, changes, fragments):
         (["--num-draft-tokens", "0"], ["num_draft_tokens must be between 1 and 256"]),
         (["--confidence-threshold", "-0.1"], ["confidence_threshold must be in [0, 1)"]),
         (["--verification", "Block"], ["verification must be token or block, got 'Block'"]),
+        (["--cuda-graphs", "on", "--device", "cpu"], ["cuda_graphs: on needs a CUDA device"]),
         # a list is benchmark's: generate and verify-distribution run one rule
         (["--verification", "token,block"], ["verification must be token or block, got 'token,block'"]),
     ],

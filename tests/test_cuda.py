@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from specdec_cli.cli import app
 from specdec_cli.config import TinyModel
+from specdec_cli.decoding.cache import CachedModel
 from specdec_cli.decoding.engine import SpeculativeDecoder
 from specdec_cli.decoding.metrics import acceptance_rate
 from specdec_cli.decoding.params import SamplingParams
@@ -108,3 +109,20 @@ def test_running_out_of_gpu_memory_is_one_line(tmp_path):
     assert result.exit_code == 2, result.output
     [line] = result.stderr.strip().splitlines()
     assert line.startswith("Error: out of memory on GPU 0 (") and "--max-new-tokens" in line, line
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_cuda_graphs_decode_the_eager_loops_tokens(tokenizer, temperature):
+    """Replayed graphs compute what the eager forwards do: the same tokens, greedy and sampled, for a
+    ragged batch, and again on the cache and graphs kept from the first request."""
+    target, draft = on_cuda(), on_cuda(noise=0.005)
+    prompts = [tokenizer.encode(p) for p in ("Hi", PROMPT, "abc abc abc abc")]
+    params = SamplingParams(temperature=temperature)
+
+    def tokens(graphs: bool) -> list[list[int]]:
+        vocab = target.config.vocab_size
+        drafter = ModelDrafter(CachedModel(draft, vocab, graphs=graphs))
+        decoder = SpeculativeDecoder(CachedModel(target, vocab, graphs=graphs), drafter, params, 3, set())
+        return [[r.token_ids for r in decoder.generate_batch(prompts, 40, seed)] for seed in (0, 1)]
+
+    assert tokens(graphs=True) == tokens(graphs=False)

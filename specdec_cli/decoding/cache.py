@@ -11,6 +11,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from specdec_cli.decoding.graphs import GraphedForward
 from specdec_cli.decoding.host import to_device
 from specdec_cli.errors import SpecdecError
 
@@ -19,6 +20,12 @@ if TYPE_CHECKING:
 
 # layers whose keys and values can be cut back to any earlier length
 ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
+# the widest input a graph is captured for (wider ones, prefills, run eagerly)
+GRAPHED_WIDTH = 64
+# the attention reads the cache's slots in steps of this many (the mask hides those past each row's
+# context): shapes recur from block to block instead of growing by a token each, which kernels that
+# plan per shape, CUDA graphs and compiled steps need
+KEY_SLOTS_STEP = 128
 
 
 def grouped_query_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -66,13 +73,15 @@ class RaggedCache(Cache):
     """Keys and values of B rows in one preallocated tensor per layer, [B, heads, max_tokens + 1, dim],
     each row with a length of its own. A forward writes every row's n new entries at that row's
     length; a rollback only lowers lengths (no copy, no device work): stale entries are never
-    attended to and are overwritten by the next write. The owner sets `write_positions` [B, n]
-    and `visible` (how many slots the attention reads) before each forward. Padding inputs (a row
+    attended to (the mask hides them) and are overwritten by the next write. The owner sets
+    `write_positions` [B, n] and `visible` (how many slots the attention reads, never the scratch
+    slot) before each forward. Padding inputs (a row
     with fewer real inputs than the widest) are written to the last slot, `scratch`, which is never
     visible: written at the row's length they could pass the end of a row that is far along."""
 
-    def __init__(self, num_layers: int, max_tokens: int):
+    def __init__(self, num_layers: int, max_tokens: int, batch: int):
         self.max_tokens = max_tokens
+        self.batch = batch
         self.scratch = max_tokens
         self.write_positions: torch.Tensor | None = None
         self.visible = 0
@@ -135,7 +144,11 @@ class CachedModel:
     layer). Keys a window has passed are kept, so a rollback never needs evicted keys.
     """
 
-    def __init__(self, model: PreTrainedModel, vocab_size: int, state_layers: tuple[int, ...] = (-1,)):
+    def __init__(
+        self, model: PreTrainedModel, vocab_size: int, state_layers: tuple[int, ...] = (-1,), graphs: bool = False
+    ):
+        """`graphs`: decoding forwards (at most GRAPHED_WIDTH inputs, one mask for every layer) replay
+        CUDA graphs on a GPU (decoding/graphs.py)."""
         config = model.config.get_text_config()
         unsupported = set(getattr(config, "layer_types", None) or ()) - ATTENTION_LAYERS
         if unsupported:
@@ -157,15 +170,22 @@ class CachedModel:
         self.window = getattr(config, "sliding_window", None)
         self.cache: RaggedCache | None = None
         self.lengths: list[int] = []  # tokens held per row
+        self.graphed = GraphedForward(self.step, self.device) if graphs else None
 
     @property
     def context_length(self) -> int:
         return self.model.config.max_position_embeddings
 
     def reset(self, max_tokens: int, batch: int = 1) -> None:
-        """Start `batch` new sequences that will hold at most `max_tokens` tokens each."""
-        self.cache = RaggedCache(self.num_layers, max_tokens)
+        """Start `batch` new sequences that will hold at most `max_tokens` tokens each. With graphs, a
+        cache as large for as many rows is kept, and with it the graphs captured on it."""
         self.lengths = [0] * batch
+        if self.graphed is not None:
+            kept = self.cache
+            if kept is not None and kept.max_tokens >= max_tokens and kept.batch == batch:
+                return
+            self.graphed.clear()
+        self.cache = RaggedCache(self.num_layers, max_tokens, batch)
 
     @torch.inference_mode()
     def forward(
@@ -194,26 +214,46 @@ class CachedModel:
         self.cache.write_positions = (
             slots.masked_fill(steps >= to_device(counts, self.device)[:, None], self.cache.scratch) if ragged else slots
         )
-        self.cache.visible = max(length + count for length, count in zip(self.lengths, counts))
+        needed = max(length + count for length, count in zip(self.lengths, counts))
+        self.cache.visible = min(-(-needed // KEY_SLOTS_STEP) * KEY_SLOTS_STEP, self.cache.scratch)
         if logits == "none":
             keep = torch.zeros(0, dtype=torch.long, device=self.device)
         elif logits == "last" and ragged:  # each row's own last real input
             keep = to_device([[count - 1] for count in counts], self.device)
         else:
             keep = 1 if logits == "last" else 0
+        mask = self.mask(positions, region)
+        tensors = dict(ids=input_ids, embeds=inputs_embeds, positions=positions, slots=self.cache.write_positions)
+        tensors.update(mask=mask, keep=keep, hidden=hidden)
+        # a new cache's first forward (its tensors made at the first write) runs eagerly
+        ready = self.cache.layers[0].is_initialized
+        if self.graphed is not None and ready and isinstance(mask, torch.Tensor) and n <= GRAPHED_WIDTH:
+            inputs = {name: value for name, value in tensors.items() if isinstance(value, torch.Tensor)}
+            settings = {name: value for name, value in tensors.items() if name not in inputs}
+            shapes = tuple((name, tuple(value.shape)) for name, value in inputs.items())
+            out = self.graphed((shapes, self.cache.visible, *settings.items()), inputs, **settings)
+        else:
+            out = self.step(**tensors)
+        self.lengths = [length + count for length, count in zip(self.lengths, counts)]
+        return Output(self.fit_vocabulary(out[0].float()), out[1] if hidden else None)
+
+    def step(self, ids, embeds, positions, slots, mask, keep, hidden) -> tuple[torch.Tensor, ...]:
+        """The model's forward after the cache was told where to write (`slots`): (logits, and the
+        states of `state_layers` side by side when `hidden`)."""
+        self.cache.write_positions = slots
         out = self.model(
-            input_ids=input_ids,
-            inputs_embeds=inputs_embeds,
+            input_ids=ids,
+            inputs_embeds=embeds,
             position_ids=positions,
-            attention_mask=self.mask(positions, region),
+            attention_mask=mask,
             cache=self.cache,
             use_cache=True,
             output_hidden_states=hidden,
             logits_to_keep=keep,
         )
-        self.lengths = [length + count for length, count in zip(self.lengths, counts)]
-        states = torch.cat([out.hidden_states[i] for i in self.state_layers], dim=-1) if hidden else None
-        return Output(self.fit_vocabulary(out.logits.float()), states)
+        if not hidden:
+            return (out.logits,)
+        return out.logits, torch.cat([out.hidden_states[i] for i in self.state_layers], dim=-1)
 
     def mask(self, positions: torch.Tensor, region: Region | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
         """[B, 1, n, visible] True where a query may attend to a key: the row's own keys at or below
@@ -260,4 +300,7 @@ class CachedModel:
         index = to_device(rows, self.device)
         for layer in self.cache.layers:
             layer.keep(index)
+        self.cache.batch = len(rows)
+        if self.graphed is not None:  # captured on the tensors just replaced
+            self.graphed.clear()
         self.lengths = [self.lengths[r] for r in rows]
