@@ -302,7 +302,7 @@ def main() -> int:
             target=model,
             read_format=load_format,
         )
-    drafting = FORMATS["eagle3"].drafting(eagle, target_shape["vocab_size"], 0.0)
+    drafting = FORMATS["eagle3"].drafting(eagle, target_shape["vocab_size"], 0.0, graphs=False)
     target = CachedModel(model, target_shape["vocab_size"], drafting.state_layers)
     small = CachedModel(llama(draft_shape, device, dtype, seed=1), target_shape["vocab_size"])
     print(f"built the models in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
@@ -333,7 +333,10 @@ def main() -> int:
         save()
         if device.type == "cuda":  # the same with decoding forwards replayed from CUDA graphs
             vocab = target_shape["vocab_size"]
-            drafts = {"1b-shaped": ModelDrafter(CachedModel(small.model, vocab, graphs=True))}
+            drafts = {
+                "eagle3-shaped": FORMATS["eagle3"].drafting(eagle, vocab, 0.0, graphs=True).drafter,
+                "1b-shaped": ModelDrafter(CachedModel(small.model, vocab, graphs=True)),
+            }
             rows = speculative_runs(
                 graphed, drafts, prompt.tolist(), batch, args.agreement, args.gamma, tokens, ", graphs"
             )

@@ -201,7 +201,7 @@ def load_pair(config: Config) -> Pair:
                 ModelDrafter(CachedModel(draft_model, vocab_size, graphs=graphs), threshold), LAST, "reads tokens only"
             )
         else:
-            drafting = FORMATS[kind].drafting(draft_model, vocab_size, threshold)
+            drafting = FORMATS[kind].drafting(draft_model, vocab_size, threshold, graphs)
         drafter, state_layers = drafting.drafter, drafting.state_layers  # the states the target hands the draft
         description = f"{kind or 'causal LM'} draft, {drafting.reads}"
         if config.draft.lookup is not None:

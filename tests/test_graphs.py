@@ -13,6 +13,8 @@ from torch._dynamo.utils import counters
 from specdec_cli.decoding.cache import CachedModel
 from specdec_cli.decoding.engine import SpeculativeDecoder
 from specdec_cli.decoding.params import SamplingParams, TreeShape
+from specdec_cli.methods.feature.draft import drafting as feature_drafting
+from specdec_cli.methods.feature.draft import init_draft
 from specdec_cli.methods.lookup import LookupFirstDrafter
 from specdec_cli.methods.model import ModelDrafter
 from specdec_cli.methods.ngram import NgramDrafter
@@ -79,16 +81,22 @@ def test_graphs_stay_with_their_cache_and_go_when_it_is_replaced(tiny_target, no
     assert all(dict(key[0])["positions"][0] == 2 for key in target.graphed.steps)
 
 
-def drafting(kind: str, draft: CachedModel, vocab: int):
-    cpu = torch.device("cpu")
-    if kind == "ngram":
-        return NgramDrafter(3, 1, vocab, cpu)
-    if kind == "lookup-first":
-        return LookupFirstDrafter(NgramDrafter(3, 1, vocab, cpu), ModelDrafter(draft))
-    return ModelDrafter(draft)
+def pair(kind: str, target, draft, graphs: bool):
+    """The target's CachedModel, the drafter of `kind`, and every CachedModel in them."""
+    vocab, cpu = target.config.vocab_size, torch.device("cpu")
+    if kind == "feature":
+        feature = feature_drafting(init_draft(target, 1, torch.arange(vocab)).eval(), vocab, 0.0, graphs)
+        cached_target = CachedModel(target, vocab, feature.state_layers, graphs=graphs)
+        return cached_target, feature.drafter, [cached_target, feature.drafter.model]
+    cached_target, cached_draft = CachedModel(target, vocab, graphs=graphs), CachedModel(draft, vocab, graphs=graphs)
+    drafter = {
+        "ngram": lambda: NgramDrafter(3, 1, vocab, cpu),
+        "lookup-first": lambda: LookupFirstDrafter(NgramDrafter(3, 1, vocab, cpu), ModelDrafter(cached_draft)),
+    }.get(kind, lambda: ModelDrafter(cached_draft))()
+    return cached_target, drafter, [cached_target, cached_draft]
 
 
-@pytest.mark.parametrize("kind", ["model", "model-tree", "ngram", "lookup-first"])
+@pytest.mark.parametrize("kind", ["model", "model-tree", "feature", "ngram", "lookup-first"])
 @pytest.mark.parametrize("rows, temperature", [(1, 0.0), (4, 1.0)])
 def test_each_shape_is_traced_once_without_a_graph_break(tiny_target, noisy_draft, tokenizer, kind, rows, temperature):
     """The proof without a GPU that shapes are static: every forward that would replay a graph runs
@@ -98,13 +106,12 @@ def test_each_shape_is_traced_once_without_a_graph_break(tiny_target, noisy_draf
     Shapes recur, so there are far fewer than blocks; 128 tokens, the same as the eager loop's."""
     prompts = [tokenizer.encode(p) for p in (PROMPTS * 2)[:rows]]
     params, tree = SamplingParams(temperature=temperature), TreeShape(3, 2, 6) if kind == "model-tree" else None
-    vocab = tiny_target.config.vocab_size
 
     def tokens(compiled: bool):
-        models = [CachedModel(m, vocab, graphs=compiled) for m in (tiny_target, noisy_draft)]
+        target, drafter, models = pair(kind, tiny_target, noisy_draft, graphs=compiled)
         for model in models if compiled else ():
             model.graphed.forward = torch.compile(model.step, backend="eager", fullgraph=True, dynamic=False)
-        decoder = SpeculativeDecoder(models[0], drafting(kind, models[1], vocab), params, 4, set(), tree)
+        decoder = SpeculativeDecoder(target, drafter, params, 4, set(), tree)
         results = decoder.generate_batch(prompts, 128, seed=5, ignore_eos=True)
         shapes = sum(model.graphed.captures for model in models if model.graphed is not None)
         return [r.token_ids for r in results], shapes, max(len(r.steps) for r in results)

@@ -175,8 +175,9 @@ class Format:
 
     claims: Callable[[DraftFolder], bool]  # from config.json (or a file of its own): no tensor is read
     load: Callable[[DraftFolder, PreTrainedModel, torch.dtype], torch.nn.Module]
-    # the loaded draft, the target's vocabulary size and the confidence threshold -> its drafting
-    drafting: Callable[[torch.nn.Module, int, float], Drafting]
+    # the loaded draft, the target's vocabulary size, the confidence threshold and whether decoding
+    # forwards replay CUDA graphs -> its drafting
+    drafting: Callable[[torch.nn.Module, int, float, bool], Drafting]
     architectures: tuple[str, ...] = ()  # the `architectures` names of its configs that transformers lacks
     # from the tensor names, for a config that does not say (EAGLE-1's is a plain Llama config)
     matches: Callable[[DraftFolder], bool] = lambda folder: False

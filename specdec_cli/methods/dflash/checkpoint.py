@@ -304,8 +304,8 @@ def load(folder: DraftFolder, target_model, dtype: torch.dtype) -> DFlashDraft:
     return model.eval()
 
 
-def drafting(draft: DFlashDraft, vocab_size: int, confidence_threshold: float) -> Drafting:
-    """One forward drafts a block, reading the target's states at every verified token."""
+def drafting(draft: DFlashDraft, vocab_size: int, confidence_threshold: float, graphs: bool) -> Drafting:
+    """One forward drafts a block, reading the target's states at every verified token (eagerly)."""
     return Drafting(
         BlockDrafter(draft, vocab_size),
         draft.state_layers,

@@ -181,12 +181,14 @@ def load(folder: DraftFolder, target: PreTrainedModel, dtype: torch.dtype) -> Pr
     return model
 
 
-def drafting(draft: PreTrainedModel, vocab_size: int, confidence_threshold: float) -> Drafting:
+def drafting(draft: PreTrainedModel, vocab_size: int, confidence_threshold: float, graphs: bool) -> Drafting:
     """A feature draft (specdec's or EAGLE's) drafts token by token, reading the target states its
-    config names."""
+    config names; its layer's forwards replay CUDA graphs with `graphs`."""
     states = target_layers(draft)
     read = "last hidden state" if states == LAST else f"hidden states {list(states)}"
-    return Drafting(FeatureDrafter(draft, vocab_size, confidence_threshold), states, f"reads the target's {read}")
+    return Drafting(
+        FeatureDrafter(draft, vocab_size, confidence_threshold, graphs), states, f"reads the target's {read}"
+    )
 
 
 FORMAT = Format(claims=lambda folder: (folder.path / DRAFT_INFO).is_file(), load=load, drafting=drafting)

@@ -27,9 +27,12 @@ class FeatureDrafter(Drafter):
 
     reads_target_states = follows = stops_when_unsure = True
 
-    def __init__(self, draft: PreTrainedModel, vocab_size: int, confidence_threshold: float = 0.0):
+    def __init__(
+        self, draft: PreTrainedModel, vocab_size: int, confidence_threshold: float = 0.0, graphs: bool = False
+    ):
         self.vocabulary = head_vocabulary(draft)  # the token id of each column of its logits (None: all, in order)
-        self.model = CachedModel(draft, vocab_size if self.vocabulary is None else len(self.vocabulary))
+        width = vocab_size if self.vocabulary is None else len(self.vocabulary)
+        self.model = CachedModel(draft, width, graphs=graphs)
         self.vocab_size = vocab_size
         self.confidence_threshold = confidence_threshold  # see config.Speculation
         self.pending: list[list[int]] = []  # per row: context tokens not yet in the draft's cache ...

@@ -203,8 +203,8 @@ def vllm_layout(
     return blocks, heads, token_map
 
 
-def drafting(heads: MedusaHeads, vocab_size: int, confidence_threshold: float) -> Drafting:
-    """One pass of its heads drafts a block from the target's last state."""
+def drafting(heads: MedusaHeads, vocab_size: int, confidence_threshold: float, graphs: bool) -> Drafting:
+    """One pass of its heads drafts a block from the target's last state (eagerly: heads alone)."""
     return Drafting(
         MedusaDrafter(heads, vocab_size), LAST, f"{heads.num_heads} heads, reads the target's last hidden state"
     )
