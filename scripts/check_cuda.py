@@ -110,7 +110,7 @@ def steps(dry_run: bool, out_dir: Path) -> list[tuple[str, list[str], float, obj
             60,
             benchmark_figures,
         ),
-        ("random weights at 8B shapes", [*shapes, "--dry-run"] if dry_run else shapes, 240, None),
+        ("random weights at 8B shapes", [*shapes, "--dry-run"] if dry_run else shapes, 300, None),
     ]
 
 
