@@ -22,9 +22,9 @@ if TYPE_CHECKING:
 ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
 # the widest input a graph is captured for (wider ones, prefills, run eagerly)
 GRAPHED_WIDTH = 64
-# the attention reads the cache's slots in steps of this many (the mask hides those past each row's
-# context): shapes recur from block to block instead of growing by a token each, which kernels that
-# plan per shape, CUDA graphs and compiled steps need
+# with graphs, the attention reads the cache's slots in steps of this many (the mask hides those past
+# each row's context): shapes recur from block to block instead of growing by a token each, as graphs
+# need; eagerly it reads exactly the slots in use, which is cheaper on a CPU
 KEY_SLOTS_STEP = 128
 
 
@@ -215,7 +215,8 @@ class CachedModel:
             slots.masked_fill(steps >= to_device(counts, self.device)[:, None], self.cache.scratch) if ragged else slots
         )
         needed = max(length + count for length, count in zip(self.lengths, counts))
-        self.cache.visible = min(-(-needed // KEY_SLOTS_STEP) * KEY_SLOTS_STEP, self.cache.scratch)
+        step = KEY_SLOTS_STEP if self.graphed is not None else 1
+        self.cache.visible = min(-(-needed // step) * step, self.cache.scratch)
         if logits == "none":
             keep = torch.zeros(0, dtype=torch.long, device=self.device)
         elif logits == "last" and ragged:  # each row's own last real input
