@@ -10,7 +10,8 @@ reported and the next one runs. The steps:
 1. the CUDA-marked tests;
 2. the decode loop of every drafter, batches of 4, greedy and sampled, under
    `torch.cuda.set_sync_debug_mode("error")` (tests/test_host_syncs.py);
-3. generate, verify-distribution and benchmark (batch 1 and 4) on the tiny random pair;
+3. generate (eager, then with CUDA graphs), verify-distribution and benchmark (batch 1 and 4) on the
+   tiny random pair;
 4. scripts/random_shapes.py: the verification cost by width, eager and CUDA-graph replayed, and
    speculative against target-alone tokens/s beside the prediction, at Llama-3.1-8B shapes.
 Exit 0 when every step passed. `--out` keeps each step's output and summary.json.
@@ -96,6 +97,12 @@ def steps(dry_run: bool, out_dir: Path) -> list[tuple[str, list[str], float, obj
             "tiny pair: generate",
             [*SPECDEC, "generate", *common, "--prompt", "Explain KV caches."],
             40,
+            generate_figures,
+        ),
+        (
+            "tiny pair: generate, CUDA graphs",
+            [*SPECDEC, "generate", *common, "--cuda-graphs", "auto", "--prompt", "Explain KV caches."],
+            60,
             generate_figures,
         ),
         (

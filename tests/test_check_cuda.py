@@ -20,7 +20,7 @@ def test_the_cuda_check_runs_on_the_cpu_at_tiny_sizes(tmp_path):
     )
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
-    assert [row["status"] for row in summary["steps"]] == ["PASS"] * 6
+    assert [row["status"] for row in summary["steps"]] == ["PASS"] * 7
     shapes = json.loads((tmp_path / "random_shapes.json").read_text())
     drafts = [row for row in shapes["speculative"] if "speedup" in row]
     assert {row["draft"] for row in drafts} == {"eagle3-shaped", "1b-shaped"}
