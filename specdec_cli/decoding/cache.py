@@ -79,9 +79,8 @@ class RaggedCache(Cache):
     with fewer real inputs than the widest) are written to the last slot, `scratch`, which is never
     visible: written at the row's length they could pass the end of a row that is far along."""
 
-    def __init__(self, num_layers: int, max_tokens: int, batch: int):
+    def __init__(self, num_layers: int, max_tokens: int):
         self.max_tokens = max_tokens
-        self.batch = batch
         self.scratch = max_tokens
         self.write_positions: torch.Tensor | None = None
         self.visible = 0
@@ -179,13 +178,12 @@ class CachedModel:
     def reset(self, max_tokens: int, batch: int = 1) -> None:
         """Start `batch` new sequences that will hold at most `max_tokens` tokens each. With graphs, a
         cache as large for as many rows is kept, and with it the graphs captured on it."""
-        self.lengths = [0] * batch
+        same_rows, self.lengths = len(self.lengths) == batch, [0] * batch
         if self.graphed is not None:
-            kept = self.cache
-            if kept is not None and kept.max_tokens >= max_tokens and kept.batch == batch:
+            if self.cache is not None and self.cache.max_tokens >= max_tokens and same_rows:
                 return
             self.graphed.clear()
-        self.cache = RaggedCache(self.num_layers, max_tokens, batch)
+        self.cache = RaggedCache(self.num_layers, max_tokens)
 
     @torch.inference_mode()
     def forward(
@@ -301,7 +299,6 @@ class CachedModel:
         index = to_device(rows, self.device)
         for layer in self.cache.layers:
             layer.keep(index)
-        self.cache.batch = len(rows)
         if self.graphed is not None:  # captured on the tensors just replaced
             self.graphed.clear()
         self.lengths = [self.lengths[r] for r in rows]
