@@ -403,7 +403,8 @@ def verify_distribution(
   specdec distill --out drafts/eagle3 --format eagle3\n
   specdec distill --out drafts/eagle3-speculators --format eagle3 --layout speculators\n
   specdec distill --out drafts/z --answers drafts/my-draft/corpus.jsonl.gz --layers 2   # reuse a corpus\n
-  specdec distill --out drafts/big --answers corpus/smollm2-135m-instruct   # a corpus specdec corpus wrote"""
+  specdec distill --out drafts/big --answers corpus/smollm2-135m-instruct   # a corpus specdec corpus wrote\n
+  specdec distill --out drafts/2m --answers corpus/smollm2-135m-instruct --training-tokens 2M   # learning curve"""
 )
 @reports_errors
 def distill(
@@ -486,6 +487,13 @@ def distill(
     ] = 2048,
     answer_tokens: Annotated[int, typer.Option(min=1, help="Most tokens per target answer.")] = 192,
     eval_every: Annotated[int, typer.Option(min=1, help="Steps between held-out evaluations.")] = 250,
+    training_tokens: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Train on a seeded sample of this many answer tokens (2M, 500k; default all): the points of a "
+            "learning curve (the same seed gives nested samples, and the same held-out answers).",
+        ),
+    ] = None,
     seed: SeedOpt = None,
     device: DeviceOpt = None,
     dtype: Annotated[
@@ -540,6 +548,7 @@ def distill(
         answers_per_step=answers_per_step,
         learning_rate=learning_rate,
         eval_every=eval_every,
+        training_tokens=parse_count(training_tokens, "--training-tokens") if training_tokens else None,
         seed=cfg.sampling.seed,
         format=draft_format.value,
         layout=layout.value,

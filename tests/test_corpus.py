@@ -58,10 +58,24 @@ def test_a_corpus_is_written_in_shards_continued_by_the_same_command_and_trained
 
     config = tmp_path / "target.yaml"
     args = ["distill", "-c", str(config), "--out", str(tmp_path / "draft"), "--answers", str(folder)]
-    result = runner.invoke(app, [*args, *"--vocab 96 --training-steps 2 --answer-tokens 16 --dtype float32".split()])
-    assert result.exit_code == 0, result.output
+    full = runner.invoke(app, [*args, *"--vocab 96 --training-steps 2 --answer-tokens 16 --dtype float32".split()])
+    assert full.exit_code == 0, full.output
     [distilled] = (tmp_path / "runs").glob("*-distill-*/record.json")
     assert json.loads(distilled.read_text())["corpus_answers"] == len(answers)
+
+    # a learning curve's point: the held-out answers as before, and about 100 answer tokens trained on
+    small = [*args[:4], str(tmp_path / "small"), *args[5:], "--training-tokens", "100"]
+    result = runner.invoke(app, [*small, *"--vocab 96 --training-steps 2 --answer-tokens 16 --dtype float32".split()])
+    assert result.exit_code == 0, result.output
+
+    def corpus_line(output: str) -> tuple[int, str]:
+        """(answer tokens trained on, the held-out part) of distill's Corpus line"""
+        line = output.split("Corpus: ")[1].split("\n")[0]
+        return int(line.split("training answers (")[1].split(" answer tokens")[0]), line.split("), ")[1]
+
+    trained, heldout = corpus_line(result.output)
+    assert 100 <= trained < 100 + 16 and trained < corpus_line(full.output)[0]
+    assert heldout == corpus_line(full.output)[1]
 
 
 def test_a_folder_that_is_no_corpus_is_one_error_line(tmp_path):

@@ -36,7 +36,7 @@ from specdec_cli.distill.corpus import (
     target_states,
     write_answers,
 )
-from specdec_cli.distill.train import draft_log_probs, split_heldout
+from specdec_cli.distill.train import HELDOUT_MOST, draft_log_probs, sample_tokens, split_heldout
 from specdec_cli.errors import EXIT_BAD_INPUT
 from specdec_cli.loading.checkpoints import load_model
 from specdec_cli.loading.tokens import padding_id
@@ -482,7 +482,8 @@ def test_a_resume_with_other_settings_is_refused(tmp_path):
 
 def test_only_answers_to_given_prompts_are_held_out():
     """The held-out answers measure the draft on prompts it never trained on: a share of the given
-    prompts, wherever their answers stand in the corpus; the target's own prompts are never held out."""
+    prompts, evenly spaced, wherever their answers stand in the corpus; the target's own prompts are
+    never held out."""
     own = [{"prompt": [1, 100 + i], "answer": [5], "synthetic": True, "greedy": i % 2 == 0} for i in range(10)]
     given = [
         {"prompt": [1, 200 + i], "answer": [5], "synthetic": False, "greedy": greedy}
@@ -491,10 +492,27 @@ def test_only_answers_to_given_prompts_are_held_out():
     ]
     for corpus in (own + given, given + own):  # an answer file may list the target's own prompts first
         training, heldout = split_heldout(corpus, 0.1)
-        assert [a["prompt"][1] for a in heldout] == [200, 200, 201, 201]  # both answers of 2 of the 20
+        assert [a["prompt"][1] for a in heldout] == [200, 200, 210, 210]  # both answers of 2 of the 20
         assert len(training) == len(corpus) - 4 and not any(a in heldout for a in training)
     training, heldout = split_heldout(own, 0.1)
     assert heldout == [] and training == own
+    # a large corpus holds out at most HELDOUT_MOST prompts, spread over all of it
+    many = [{"prompt": [1, i], "answer": [5], "synthetic": False, "greedy": i < 5000} for i in range(10_000)]
+    training, heldout = split_heldout(many, 0.1)
+    assert len(heldout) == HELDOUT_MOST and len(training) == len(many) - HELDOUT_MOST
+    assert 0 < sum(a["greedy"] for a in heldout) < HELDOUT_MOST  # from both halves
+
+
+def test_training_token_samples_are_nested_and_sized():
+    """A learning curve's points: each sample holds about the asked answer tokens, the same seed
+    gives nested samples, and a sample larger than the corpus is all of it."""
+    corpus = [{"prompt": [1, i], "answer": [5] * (1 + i % 7), "synthetic": False, "greedy": True} for i in range(500)]
+    small, large = sample_tokens(corpus, 300, seed=3), sample_tokens(corpus, 900, seed=3)
+    assert 300 <= sum(len(a["answer"]) for a in small) < 307
+    assert 900 <= sum(len(a["answer"]) for a in large) < 907
+    assert large[: len(small)] == small
+    assert sample_tokens(corpus, 300, seed=4) != small
+    assert sorted(map(id, sample_tokens(corpus, 10**9, seed=3))) == sorted(map(id, corpus))
 
 
 def test_a_corpus_with_nothing_to_train_on_is_refused(tmp_path):

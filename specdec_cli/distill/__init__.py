@@ -42,7 +42,7 @@ from specdec_cli.config import Config
 from specdec_cli.distill.corpus import ANSWERS, build_corpus, label_answers, read_answers, write_answers
 from specdec_cli.distill.settings import EAGLE3_LAYOUTS, FORMATS, DistillSettings, read_layers
 from specdec_cli.distill.state import WORK, save
-from specdec_cli.distill.train import train
+from specdec_cli.distill.train import sample_tokens, split_heldout, train
 from specdec_cli.distill.writing import read_corpus
 from specdec_cli.errors import SpecdecError
 from specdec_cli.loading.tokens import padding_id
@@ -84,20 +84,21 @@ def distill(
     work = out / WORK  # corpus and training state: what a resumed run continues from
     work.mkdir(parents=True, exist_ok=True)
     if answers:
-        corpus = label_answers(
-            target,
+        given = (
             read_corpus(answers, settings.answer_tokens)
             if answers.is_dir()
-            else read_answers(answers, tokenizer, settings.answer_tokens),
-            padding_id(tokenizer),
-            settings.top_k,
-            work,
-            read_layers(settings, target),
+            else read_answers(answers, tokenizer, settings.answer_tokens)
+        )
+        training, heldout = choose_answers(given, settings)  # before the target's pass: it may refuse
+        label_answers(
+            target, heldout + training, padding_id(tokenizer), settings.top_k, work, read_layers(settings, target)
         )
     else:
-        corpus = build_corpus(target, tokenizer, prompts, settings, work)
-        write_answers(corpus, tokenizer, out / ANSWERS)
-    draft, log = train(target, tokenizer, corpus, settings, work, cfg.target.describe())
+        built = build_corpus(target, tokenizer, prompts, settings, work)
+        write_answers(built, tokenizer, out / ANSWERS)
+        training, heldout = choose_answers(built, settings)
+    corpus = heldout + training
+    draft, log = train(target, tokenizer, training, heldout, settings, work, cfg.target.describe())
     save(draft, target, tokenizer, out, cfg.target.describe(), log, settings)
     if not keep_work:
         shutil.rmtree(work)
@@ -107,10 +108,19 @@ def distill(
         {
             **records.header("distill", cfg),
             "out": str(out),
-            "corpus_answers": len(corpus),
+            "corpus_answers": len(corpus),  # held out and trained on
             "corpus_answer_tokens": sum(len(a["answer"]) for a in corpus),
             "settings": vars(settings),
             "log": log,
         },
     )
     display.stderr.print(f"Draft saved to {out}: name it as `draft: {{checkpoint: {out}}}`. {written}")
+
+
+def choose_answers(corpus: list[dict], settings: DistillSettings) -> tuple[list[dict], list[dict]]:
+    """The answers trained on and the held-out ones; with `training_tokens`, a seeded sample of that
+    many training answer tokens (the held-out answers chosen first, from them all)."""
+    training, heldout = split_heldout(corpus, settings.heldout_prompts)
+    if settings.training_tokens:
+        training = sample_tokens(training, settings.training_tokens, settings.seed)
+    return training, heldout

@@ -34,6 +34,7 @@ class DistillSettings:
     answers_per_step: int = 8
     learning_rate: float = 1e-3
     eval_every: int = 250
+    training_tokens: int | None = None  # answer tokens trained on, a seeded sample (None: all)
     heldout_prompts: float = 0.1  # of the given prompts: their answers are never trained on
     seed: int = 0
     format: str = "specdec"  # or "eagle3": EAGLE-3's architecture, saved in its layout

@@ -4,6 +4,7 @@ as the 1st, 2nd ... token of a draft, and is measured on held-out answers as it 
 from __future__ import annotations
 
 import math
+import random
 from pathlib import Path
 
 import torch
@@ -20,14 +21,18 @@ from specdec_cli.methods.feature import eagle3_export
 from specdec_cli.methods.feature.draft import init_draft
 from specdec_cli.methods.feature.parts import feature_inputs, read_target
 
+HELDOUT_MOST = 256  # held-out prompts: enough to measure agreement within about 0.005, evaluated in seconds
+
 
 def split_heldout(corpus: list[dict], share: float) -> tuple[list[dict], list[dict]]:
-    """Training answers, and held-out answers: those to a `share` of the given prompts (the first ones
-    in the corpus), so that evaluation measures the draft on the given prompts' kind of text and on
-    prompts it never trained on. The target's own prompts are never held out; an answer to one that
-    happens to repeat a held-out prompt is not trained on either."""
+    """Training answers, and held-out answers: those to a `share` of the given prompts (at most
+    `HELDOUT_MOST`, evenly spaced through the corpus, so that a corpus written in shards of one
+    temperature each is held out at all of them), so that evaluation measures the draft on the given
+    prompts' kind of text and on prompts it never trained on. The target's own prompts are never held
+    out; an answer to one that happens to repeat a held-out prompt is not trained on either."""
     given = list(dict.fromkeys(tuple(a["prompt"]) for a in corpus if not a["synthetic"]))
-    heldout_prompts = set(given[: max(1, round(len(given) * share))])
+    count = min(HELDOUT_MOST, max(1, round(len(given) * share)))
+    heldout_prompts = {given[i * len(given) // count] for i in range(count)} if given else set()
     heldout = [a for a in corpus if tuple(a["prompt"]) in heldout_prompts and not a["synthetic"]]
     training = [a for a in corpus if tuple(a["prompt"]) not in heldout_prompts]
     if not training:
@@ -36,6 +41,20 @@ def split_heldout(corpus: list[dict], share: float) -> tuple[list[dict], list[di
             f"({len(heldout_prompts)} of the {len(given)} given); give more prompts or answers"
         )
     return training, heldout
+
+
+def sample_tokens(training: list[dict], tokens: int, seed: int) -> list[dict]:
+    """Training answers in a seeded order, up to `tokens` answer tokens: the same seed gives nested
+    samples (the 1M-token one starts with the 500k-token one), as a learning curve needs."""
+    order = list(range(len(training)))
+    random.Random(seed).shuffle(order)
+    sample, total = [], 0
+    for i in order:
+        if total >= tokens:
+            break
+        sample.append(training[i])
+        total += len(training[i]["answer"])
+    return sample
 
 
 def choose_vocabulary(corpus: list[dict], vocab_size: int, size: int, eos: set[int]) -> torch.Tensor:
@@ -51,14 +70,16 @@ def choose_vocabulary(corpus: list[dict], vocab_size: int, size: int, eos: set[i
 def train(
     target: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    corpus: list[dict],
+    training: list[dict],
+    heldout: list[dict],
     settings: DistillSettings,
     work: Path,
     target_name: str,
 ) -> tuple[PreTrainedModel, list[dict]]:
+    """Trains the draft on `training` (labelled answers), measuring it on `heldout` as it goes."""
     pad = padding_id(tokenizer)
-    training, heldout = split_heldout(corpus, settings.heldout_prompts)  # before the target's pass: it may refuse
     taps = read_layers(settings, target)
+    corpus = heldout + training  # in the order they were labelled, so kept target states fit
     add_target_features(target, corpus, pad, work, taps)
     torch.manual_seed(settings.seed)
     vocab_size = target.get_output_embeddings().weight.shape[0]
