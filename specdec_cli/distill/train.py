@@ -82,24 +82,10 @@ def train(
     corpus = heldout + training  # in the order they were labelled, so kept target states fit
     add_target_features(target, corpus, pad, work, taps)
     torch.manual_seed(settings.seed)
-    vocab_size = target.get_output_embeddings().weight.shape[0]
-    token_ids = choose_vocabulary(
-        training, vocab_size, settings.draft_vocab, eos_token_ids(target.generation_config, tokenizer)
-    )
-    to_subset = torch.full((vocab_size,), -1, dtype=torch.long)
-    to_subset[token_ids] = torch.arange(len(token_ids))
-    if settings.format == "eagle3":
-        draft = eagle3_export.init_eagle3(target, token_ids, taps, settings.init_layers, settings.zero_features)
-    else:
-        draft = init_draft(target, settings.num_layers, token_ids, taps, settings.init_layers, settings.zero_features)
+    draft, to_subset = new_draft(target, tokenizer, training, taps, settings)
     autocast = target.dtype if target.dtype != torch.float32 else None
     trainable = [p for p in draft.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=settings.learning_rate, weight_decay=0.0)
-    total = settings.training_steps
-    warmup = max(1, total // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))
-    )
+    optimizer, schedule = optimizer_and_schedule(trainable, settings)
     log: list[dict] = []
     step = 0
     path = state_path(work, settings.format)
@@ -119,8 +105,8 @@ def train(
         display.stderr.print(
             f"Corpus: {len(training)} training answers "
             f"({sum(len(a['answer']) for a in training)} answer tokens), {len(heldout)} held out "
-            f"({sum(a['greedy'] for a in heldout)} greedy, {sum(not a['greedy'] for a in heldout)} sampled "
-            f"at T=1); draft vocabulary {len(token_ids)} of {vocab_size} tokens"
+            f"({sum(a['greedy'] for a in heldout)} greedy, {sum(not a['greedy'] for a in heldout)} sampled); "
+            f"draft vocabulary {len(draft.lm_head.token_ids)} of {len(to_subset)} tokens"
         )
         evaluation()
 
@@ -130,9 +116,9 @@ def train(
     stream = batches(training, settings.answers_per_step, settings.seed, step)
     draft.train()
     with display.progress() as bar:
-        task = bar.add_task("Training the draft", total=total, completed=step)
+        task = bar.add_task("Training the draft", total=settings.training_steps, completed=step)
         try:
-            while step < total:
+            while step < settings.training_steps:
                 batch = make_batch(next(stream), pad, to_subset, draft.device)
                 log_probs = draft_log_probs(draft, batch, autocast, settings.draft_positions)
                 loss = distillation_loss(log_probs, batch, settings.position_decay)
@@ -143,7 +129,7 @@ def train(
                 schedule.step()
                 step += 1
                 bar.update(task, completed=step, description=f"Training the draft (loss {loss.item():.3f})")
-                if step % settings.eval_every == 0 or step == total:
+                if step % settings.eval_every == 0 or step == settings.training_steps:
                     evaluation(loss=loss.item())
                     checkpoint()
         except KeyboardInterrupt:
@@ -152,6 +138,41 @@ def train(
             raise
     draft.eval()
     return draft, log
+
+
+def new_draft(
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    training: list[dict],
+    taps: tuple[int, ...],
+    settings: DistillSettings,
+) -> tuple[PreTrainedModel, torch.Tensor]:
+    """The untrained draft over the vocabulary subset the training answers choose, and the map from
+    the target's token ids to the subset's indices (-1 outside it)."""
+    vocab_size = target.get_output_embeddings().weight.shape[0]
+    token_ids = choose_vocabulary(
+        training, vocab_size, settings.draft_vocab, eos_token_ids(target.generation_config, tokenizer)
+    )
+    to_subset = torch.full((vocab_size,), -1, dtype=torch.long)
+    to_subset[token_ids] = torch.arange(len(token_ids))
+    if settings.format == "eagle3":
+        draft = eagle3_export.init_eagle3(target, token_ids, taps, settings.init_layers, settings.zero_features)
+    else:
+        draft = init_draft(target, settings.num_layers, token_ids, taps, settings.init_layers, settings.zero_features)
+    return draft, to_subset
+
+
+def optimizer_and_schedule(
+    trainable: list[torch.nn.Parameter], settings: DistillSettings
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW, with a linear warm-up over the first 5% of the steps and cosine decay to 0 at the last."""
+    optimizer = torch.optim.AdamW(trainable, lr=settings.learning_rate, weight_decay=0.0)
+    total = settings.training_steps
+    warmup = max(1, total // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))
+    )
+    return optimizer, schedule
 
 
 def draft_log_probs(
