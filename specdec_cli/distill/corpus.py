@@ -243,7 +243,7 @@ def label_answers(
                     at = slice(len(a["prompt"]) - 1, len(a["prompt"]) - 1 + len(a["answer"]))
                     top = out.logits[row, at].float().log_softmax(-1).topk(top_k, dim=-1)
                     a["top_ids"], a["top_logp"] = top.indices.int().cpu(), top.values.half().cpu()
-                    states.append(taps[row, : sequence_length(a)].cpu())
+                    states.append(taps[row, : sequence_length(a)].cpu().clone())  # its own storage: saved alone
                 bar.update(task, advance=len(group))
             save_whole(states, states_path(work, layers, number))
             save_whole(shard, path)
@@ -264,7 +264,7 @@ def add_target_features(
         for number, start in enumerate(range(0, len(corpus), SHARD)):
             answers = corpus[start : start + SHARD]
             path = states_path(work, layers, number)
-            states = load_kept(path) if path.is_file() else []
+            states = load_kept(path, mapped=True) if path.is_file() else []
             if [len(s) for s in states] != [sequence_length(a) for a in answers]:
                 states = target_states(target, answers, pad, layers)
                 save_whole(states, path)
@@ -297,5 +297,5 @@ def target_states(
             logits_to_keep=1,
         )
         batch = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
-        states += [batch[row, : len(seq)].cpu() for row, seq in enumerate(seqs)]
+        states += [batch[row, : len(seq)].cpu().clone() for row, seq in enumerate(seqs)]  # each its own storage
     return states

@@ -30,12 +30,13 @@ def save_whole(obj, path: Path) -> None:
     partial.replace(path)
 
 
-def load_kept(path: Path):
+def load_kept(path: Path, mapped: bool = False):
     """A file of the work folder, read as data only: the folder may come from someone else, and a
     pickle can run code as it loads. What specdec saves there is tensors and plain containers (on the
-    CPU, so a run stopped on a GPU resumes anywhere)."""
+    CPU, so a run stopped on a GPU resumes anywhere). `mapped`: the tensors stay in the file, mapped
+    into memory, read as they are used (the target states of a large corpus outgrow the memory)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mapped)
     except pickle.UnpicklingError:
         problem = "it holds objects other than tensors and plain data, which could run code as they load"
     except (RuntimeError, EOFError) as exc:
