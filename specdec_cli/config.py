@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from specdec_cli.decoding.params import TreeShape
+from specdec_cli.decoding.params import BatchSchedule, TreeShape
 from specdec_cli.errors import SpecdecError, read_text
 
 
@@ -165,6 +165,17 @@ def check_tree(shape: TreeShape) -> None:
 
 
 @dataclass
+class Schedule:
+    """Draft tokens per block by batch size, for greedy and for sampled decoding: lists of
+    [first batch size, last batch size, draft tokens], inclusive ranges as vLLM's
+    `num_speculative_tokens_per_batch_size` (decoding/params.py, BatchSchedule); 0 drafts nothing.
+    A block never drafts more than the chain's own length. None: always the chain's length."""
+
+    greedy: list | None = None
+    sampled: list | None = None
+
+
+@dataclass
 class Speculation:
     num_draft_tokens: int = 4  # gamma: tokens drafted per target forward (a chain)
     # a draft model stops drafting a block at the first token it gives less than this probability
@@ -176,6 +187,7 @@ class Speculation:
     # are kept while they equal the target's argmax either way.
     verification: str = "token"
     tree: TreeShape | None = None  # None: a chain of num_draft_tokens
+    schedule: Schedule | None = None  # a chain's draft tokens by batch size (None: num_draft_tokens)
 
 
 @dataclass
@@ -220,7 +232,15 @@ class Config:
         fewer = f" (fewer below confidence {threshold:g})" if threshold else ""
         by = "prompt lookup" if self.draft.lookup else "suffix decoding"
         by_lookup = f", up to {lookup.num_draft_tokens} by {by}" if lookup and lookup.num_draft_tokens else ""
-        return f"{self.speculation.num_draft_tokens} draft tokens{fewer}{by_lookup}"
+        schedule = self.batch_schedule(greedy=self.sampling.temperature == 0)
+        by_batch = f"; by batch size {schedule.describe()}" if schedule else ""
+        return f"{self.speculation.num_draft_tokens} draft tokens{fewer}{by_lookup}{by_batch}"
+
+    def batch_schedule(self, greedy: bool) -> BatchSchedule | None:
+        """The schedule of draft tokens by batch size for greedy or sampled decoding (None: none)."""
+        schedule = self.speculation.schedule
+        entries = schedule and (schedule.greedy if greedy else schedule.sampled)
+        return BatchSchedule.parse(entries) if entries is not None else None
 
     def describe_verification(self) -> str:
         """The verification rule, for titles beside the draft lengths."""
@@ -379,6 +399,7 @@ def validate(config: Config) -> None:
         raise SpecdecError(f"verification must be token or block, got {config.speculation.verification!r}")
     if config.speculation.tree:
         check_tree(config.speculation.tree)
+    check_schedule(config)
     if config.speculation.tree and config.speculation.verification == "block":
         raise SpecdecError("block verification judges a chain; a tree has its own rule: set verification: token")
     if config.generation.max_new_tokens < 1:
@@ -431,6 +452,26 @@ def validate(config: Config) -> None:
             f"kept per token: tree top_k {tree.top_k} is more"
         )
     check_ints(config)  # the settings no check above bounds
+
+
+def check_schedule(config: Config) -> None:
+    schedule = config.speculation.schedule
+    if schedule is None:
+        return
+    if config.speculation.tree:
+        raise SpecdecError("speculation.schedule sets a chain's length by batch size: drop it or the tree")
+    ahead = config.draft.lookup or config.draft.suffix
+    longest = max(config.speculation.num_draft_tokens, (ahead and ahead.num_draft_tokens) or 0)
+    for mode in ("greedy", "sampled"):
+        try:
+            most = (config.batch_schedule(mode == "greedy") or BatchSchedule(((1, 1, 0),))).most
+        except ValueError as exc:
+            raise SpecdecError(f"speculation.schedule.{mode}: {exc}") from None
+        if most > longest:
+            raise SpecdecError(
+                f"speculation.schedule.{mode}: {most} draft tokens is more than the chain's {longest} "
+                "(num_draft_tokens): a schedule shortens blocks"
+            )
 
 
 def check_suffix(suffix: SuffixSettings | None) -> None:

@@ -98,7 +98,8 @@ class Pair:
                 drafter = LookupFirstDrafter(self.lookup, drafter, lookup_tokens, gamma)
                 gamma = max(gamma, lookup_tokens)
         rule = chain_rule(params, verification or self.config.speculation.verification)
-        return SpeculativeDecoder(self.target, drafter, params, gamma, self.eos_token_ids, rule=rule)
+        schedule = self.config.batch_schedule(params.greedy)
+        return SpeculativeDecoder(self.target, drafter, params, gamma, self.eos_token_ids, rule=rule, schedule=schedule)
 
     def encode(self, prompt: str, raw: bool = False, history: list[dict] | None = None) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, raw, history)
@@ -208,8 +209,6 @@ def load_pair(config: Config) -> Pair:
             lookup = NgramDrafter(config.draft.lookup.max_n, config.draft.lookup.min_n, vocab_size, device)
         if config.draft.suffix is not None:
             lookup = suffix_drafter(config.draft.suffix, vocab_size, device)
-    if lookup is not None and not drafter.follows:
-        raise SpecdecError(f"{description} cannot draft after lookup's blocks: drop draft.lookup and draft.suffix")
     if threshold and not drafter.stops_when_unsure:
         raise SpecdecError(
             "confidence_threshold applies to drafts that draft token by token (a draft model, a feature "

@@ -1,6 +1,7 @@
 """Each drafter's rule for what its cache holds, checked literally after every call the decode loop
 makes (start, commit, follow, keep), in batches where rows accept different numbers of drafts,
-blocks are drafted by prompt lookup or by the model, and rows finish early."""
+blocks are drafted by prompt lookup, by the model or by neither (the target alone), and rows finish
+early."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ class Checked(Drafter):
         self.inner, self.drafter = lookup_first, lookup_first.model
         self.reads_target_states = lookup_first.reads_target_states
         self.context: list[int] = []
-        self.blocks = {"model": 0, "lookup": 0, "keep": 0}
+        self.blocks = {"model": 0, "lookup": 0, "alone": 0, "keep": 0}
 
     def check(self):
         assert held(self.drafter) == self.context
@@ -68,6 +69,12 @@ class Checked(Drafter):
         self.inner.commit(draft_ids, num_accepted, next_tokens, target_states)
         self.blocks["model" if self.inner.model_drafted else "lookup"] += 1
         self.context = [c + a + 1 for c, a in zip(self.context, num_accepted)]
+        self.check()
+
+    def follow(self, tokens, target_states):  # a block of the target alone (the last, at the token limit)
+        self.inner.follow(tokens, target_states)
+        self.blocks["alone"] += 1
+        self.context = [c + len(new) for c, new in zip(self.context, tokens)]
         self.check()
 
     def keep(self, rows):
@@ -96,4 +103,4 @@ def test_what_each_drafter_holds_is_the_context(kind, temperature, tokenizer, tm
     checked = Checked(LookupFirstDrafter(NgramDrafter(3, 1, target.vocab_size, torch.device("cpu")), drafter))
     decoder = SpeculativeDecoder(target, checked, SamplingParams(temperature), 3, set())
     decoder.generate_batch(PROMPTS, 40, 0)
-    assert min(checked.blocks.values()) > 0, checked.blocks  # model and lookup blocks, rows that left
+    assert min(checked.blocks.values()) > 0, checked.blocks  # model, lookup and target-alone blocks, rows that left

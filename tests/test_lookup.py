@@ -55,6 +55,9 @@ class Counting(Drafter):
     def commit(self, *args):
         self.drafter.commit(*args)
 
+    def follow(self, *args):
+        self.drafter.follow(*args)
+
     def keep(self, rows):
         self.drafter.keep(rows)
 

@@ -512,6 +512,12 @@ class CheckedTree(Drafter):
         self.blocks += 1
         self.check()
 
+    def follow(self, tokens, target_states):  # the last block, at the token limit: the target's alone
+        self.inner.follow(tokens, target_states)
+        for context, new in zip(self.context, tokens):
+            context += new
+        self.check()
+
     def keep(self, rows):
         self.inner.keep(rows)
         self.context = [self.context[r] for r in rows]

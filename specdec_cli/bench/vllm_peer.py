@@ -22,7 +22,13 @@ from specdec_cli.loading.checkpoints import load_tokenizer, model_folder
 from specdec_cli.loading.tokens import encode_prompt
 from specdec_cli.pair import Pair, check_fits, resolve_device, resolve_dtype
 from specdec_cli.vllm_engine.client import VllmWorker
-from specdec_cli.vllm_engine.settings import engine_settings, generation_results, sampling, speculative_config
+from specdec_cli.vllm_engine.settings import (
+    engine_settings,
+    generation_results,
+    sampling,
+    speculative_config,
+    vllm_schedule,
+)
 
 VLLM_FAIRNESS = (
     "vLLM runs in its own environment and process (its scheduler, kernels and build, its own random "
@@ -87,10 +93,10 @@ def target_text(cfg: Config) -> TargetText:
     return TargetText(cfg, tokenizer, eos, model.max_position_embeddings, dtype)
 
 
-def vllm_drafting(pair: Pair, gammas: list[int]) -> tuple[str | None, str | None]:
+def vllm_drafting(pair: Pair, plan: Plan) -> tuple[str | None, str | None]:
     """The vllm peer's speculative engine (None: the target alone) and why it cannot draft (None when it can)."""
     try:
-        speculative_config(pair.config.draft, gammas[0])
+        speculative_config(pair.config.draft, plan.gammas[0], vllm_schedule(pair.config, plan.temperatures))
     except SpecdecError as exc:
         return None, f"{exc}; the vllm peer runs the target alone."
     return VLLM, None
@@ -143,7 +149,8 @@ def run_vllm(
     done = VllmRuns([], [], False, "", "")
     dtype = str(pair.dtype).removeprefix("torch.")
     for gamma, modes in plan.vllm_modes().items():
-        speculative = speculative_config(pair.config.draft, gamma) if gamma else None
+        schedule = vllm_schedule(pair.config, plan.temperatures)
+        speculative = speculative_config(pair.config.draft, gamma, schedule) if gamma else None
         with VllmWorker(engine_settings(pair.config, dtype, speculative)) as worker:
             done.version, done.device = worker.version, worker.device
 

@@ -68,9 +68,10 @@ def prepare(cfg: Config, plan: Plan):
     caption, note = None, None
     if plan.engine == VLLM:
         from specdec_cli.bench.vllm_peer import VLLM_ENGINE, target_text
-        from specdec_cli.vllm_engine.settings import speculative_config
+        from specdec_cli.vllm_engine.settings import speculative_config, vllm_schedule
 
-        speculative_config(cfg.draft, plan.gammas[0])  # a draft vLLM cannot run: one line before any work
+        # a draft vLLM cannot run: one line before any work
+        speculative_config(cfg.draft, plan.gammas[0], vllm_schedule(cfg, plan.temperatures))
         pair = target_text(cfg)  # vLLM loads the models: specdec only encodes the prompts
         caption = VLLM_ENGINE
     else:
@@ -84,7 +85,7 @@ def prepare(cfg: Config, plan: Plan):
     elif plan.peer == VLLM:
         from specdec_cli.bench.vllm_peer import VLLM_FAIRNESS, vllm_drafting
 
-        plan.peer_drafting, note = vllm_drafting(pair, plan.gammas)
+        plan.peer_drafting, note = vllm_drafting(pair, plan)
         caption = " ".join([VLLM_FAIRNESS] + ([note] if note else []))
     if note:
         display.stderr.print(f"Note: {note}")

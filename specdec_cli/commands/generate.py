@@ -159,13 +159,14 @@ def generate_vllm(cfg: Config, prompts: list[Prompt], raw: bool, run: records.Ru
         generation_results,
         sampling,
         speculative_config,
+        vllm_schedule,
     )
 
     vllm_python()  # before any loading: one line when vLLM is not set up
     tokenizer, eos = load_tokenizer(cfg.target)
     encoded = [encode_prompt(tokenizer, p.turns[0], raw) for p in prompts]
     gamma = cfg.speculation.num_draft_tokens
-    speculative = speculative_config(cfg.draft, gamma)
+    speculative = speculative_config(cfg.draft, gamma, vllm_schedule(cfg, [cfg.sampling.temperature]))
     dtype = str(resolve_dtype(cfg.runtime.dtype, resolve_device(cfg.runtime.device))).removeprefix("torch.")
     settings = engine_settings(cfg, dtype, speculative)
     params = SamplingParams.from_config(cfg.sampling)

@@ -7,9 +7,10 @@ all zeros, so the acceptance test rejects it, and the target's own token takes i
 
 Every drafter drafts chains (`propose`/`commit`) and trees (`propose_tree`/`commit_tree`,
 decoding/tree.py). What some can do besides, they declare, and the loop and the assembly read the
-declarations rather than the classes: `reads_target_states`, `follows` (it can draft after another
-drafter's blocks: `follow`), `stops_when_unsure` (it drafts token by token, so a confidence
-threshold can end its block early) and `observes` (`observe` sees every verification's logits).
+declarations rather than the classes: `reads_target_states`, `stops_when_unsure` (it drafts token
+by token, so a confidence threshold can end its block early) and `observes` (`observe` sees every
+verification's logits). Every drafter `follow`s blocks it did not draft: another drafter's (prompt
+lookup's ahead of a draft model) or none (the target alone, where a schedule drafts nothing).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ class Drafter:
     # `start`, `commit` and `follow` get the target's hidden states (those of the layers the draft
     # reads, side by side; None otherwise)
     reads_target_states = False
-    follows = False
     stops_when_unsure = False
     observes = False
 
@@ -65,8 +65,8 @@ class Drafter:
         raise NotImplementedError
 
     def follow(self, tokens: Rows, target_states: States) -> None:
-        """(`follows`) The rows' contexts grew by `tokens` in a block another drafter drafted (the
-        accepted drafts and the target's token, per row) instead of a `propose`/`commit` of this one.
+        """The rows' contexts grew by `tokens` in a block this drafter did not draft (another's accepted
+        drafts and the target's token, or the target's token alone), instead of a `propose`/`commit`.
         `target_states` [B, >= len, H]: the target's states at the block's first input and the
         accepted drafts, i.e. at the token before each of `tokens`."""
         raise NotImplementedError

@@ -30,7 +30,7 @@ from specdec_cli.decoding.metrics import (
     vllm_counters,
     vllm_mean_acceptance_length,
 )
-from specdec_cli.decoding.params import SamplingParams, TreeShape
+from specdec_cli.decoding.params import BatchSchedule, SamplingParams, TreeShape
 from specdec_cli.decoding.timing import Clock, Timeline
 from specdec_cli.decoding.verification import ChainRule, chain_rule, tree_rule
 
@@ -116,6 +116,8 @@ class ChainBlock(Block):
         target.rollback([self.drafts.shape[1] - a for a in accepted])
         if drafter is not None and self.proposed:
             drafter.commit(draft_ids, accepted, tokens, self.states)
+        elif drafter is not None:  # the target alone decoded this block (a schedule's 0, the last token)
+            drafter.follow([[token] for token in tokens], self.states)
 
 
 @dataclass
@@ -144,9 +146,11 @@ class SpeculativeDecoder:
         eos_token_ids: set[int],
         tree: TreeShape | None = None,
         rule: ChainRule | None = None,
+        schedule: BatchSchedule | None = None,
     ):
         """`tree`: draft trees of this shape instead of chains of num_draft_tokens. `rule`: how chains
-        are verified (default: greedy's, or token by token when sampling); trees have their own."""
+        are verified (default: greedy's, or token by token when sampling); trees have their own.
+        `schedule`: a chain's draft tokens by the batch's size, at most num_draft_tokens."""
         self.target = target
         self.drafter = drafter
         self.params = params
@@ -155,6 +159,7 @@ class SpeculativeDecoder:
         self.gamma = 0 if drafter is None else tree.depth if tree else num_draft_tokens
         self.width = tree.width if self.tree else self.gamma  # slots a block writes past the context
         self.eos_token_ids = eos_token_ids
+        self.schedule = schedule if drafter is not None and tree is None else None
         self.chain_rule = rule or chain_rule(params)
         self.tree_rule = tree_rule(params)
         self.clock = Clock(target.device)
@@ -206,7 +211,8 @@ class SpeculativeDecoder:
         while active:
             # never draft past the limit: the block's own token needs one of the remaining slots
             remaining = max(max_new_tokens - len(results[row].token_ids) for row in active)
-            gamma = min(self.gamma, remaining - 1)
+            scheduled = self.gamma if self.schedule is None else self.schedule.tokens(len(active))
+            gamma = min(self.gamma, scheduled, remaining - 1)
             block_start = self.clock.mark()
             trees_now = self.tree is not None and gamma
             block = (self._tree_block if trees_now else self._chain_block)(last_token, gamma, generator, wants_states)

@@ -67,6 +67,10 @@ class ContextDrafter(Drafter):
         for context, ids, accepted, token in zip(self.contexts, draft_ids, num_accepted, next_tokens):
             context += ids[:accepted] + [token]
 
+    def follow(self, tokens: Rows, target_states: States) -> None:
+        """The rows' contexts grew by `tokens` as a block's accepted tokens would grow them."""
+        self.commit([new[:-1] for new in tokens], [len(new) - 1 for new in tokens], [new[-1] for new in tokens], None)
+
     def keep(self, rows: list[int]) -> None:
         self.contexts = [self.contexts[r] for r in rows]
 

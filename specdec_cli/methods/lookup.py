@@ -27,7 +27,7 @@ class LookupFirstDrafter(Drafter):
     def __init__(
         self,
         lookup: ContextDrafter,  # prompt lookup (ngram.py) or suffix decoding (suffix.py)
-        model: Drafter,  # one that `follows`
+        model: Drafter,  # it `follow`s lookup's blocks
         lookup_tokens: int | None = None,
         model_tokens: int | None = None,
     ):
@@ -83,6 +83,10 @@ class LookupFirstDrafter(Drafter):
             if self.lookup_length is not None:
                 whole = all(accepted == sum(t >= 0 for t in ids) for ids, accepted in zip(draft_ids, num_accepted))
                 self.lookup_length = min(2 * self.lookup_length, self.lookup_tokens) if whole else self.shortest
+
+    def follow(self, tokens: Rows, target_states: States) -> None:
+        self.lookup.follow(tokens, target_states)
+        self.model.follow(tokens, target_states)
 
     def keep(self, rows: list[int]) -> None:
         self.lookup.keep(rows)

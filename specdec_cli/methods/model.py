@@ -82,7 +82,7 @@ class ModelDrafter(Drafter):
     block accepted whole also the last draft; after `follow`, lookup's block). Within a block it
     feeds its drafts but the last; `commit` rolls back the rejected ones."""
 
-    follows = stops_when_unsure = True
+    stops_when_unsure = True
 
     def __init__(self, model: CachedModel, confidence_threshold: float = 0.0):
         self.model = model

@@ -87,5 +87,8 @@ class RecyclingDrafter(Drafter):
     def commit(self, draft_ids: Rows, num_accepted: list[int], next_tokens: list[int], target_states: States) -> None:
         self.last = list(next_tokens)
 
+    def follow(self, tokens: Rows, target_states: States) -> None:
+        self.last = [new[-1] for new in tokens]
+
     def keep(self, rows: list[int]) -> None:
         self.last = [self.last[r] for r in rows]

@@ -9,7 +9,7 @@ from pathlib import Path
 from specdec_cli.config import Config, DraftSpec
 from specdec_cli.decoding.engine import GenerationResult
 from specdec_cli.decoding.metrics import StepRecord
-from specdec_cli.decoding.params import SamplingParams
+from specdec_cli.decoding.params import BatchSchedule, SamplingParams
 from specdec_cli.errors import SpecdecError
 from specdec_cli.loading.checkpoints import model_folder
 from specdec_cli.methods.formats import DraftFolder, recognise
@@ -26,9 +26,29 @@ def draft_format(path: str) -> str | None:
     return recognise(DraftFolder(Path(path), json.loads(config.read_text())))
 
 
-def speculative_config(draft: DraftSpec, gamma: int) -> dict:
-    """vLLM's speculative_config for the config's draft drafting `gamma` tokens per block; a draft vLLM
-    has no counterpart of is a SpecdecError that says so."""
+def vllm_schedule(cfg: Config, temperatures: list[float]) -> BatchSchedule | None:
+    """The config's draft tokens by batch size at these temperatures: one vLLM engine serves them all,
+    so they must share one schedule."""
+    schedules = {cfg.batch_schedule(greedy=t == 0) for t in temperatures}
+    if len(schedules) > 1:
+        raise SpecdecError(
+            "vLLM takes one speculation.schedule for every temperature: give `greedy` and `sampled` the same "
+            "ranges, or run greedy and sampled apart"
+        )
+    return schedules.pop()
+
+
+def speculative_config(draft: DraftSpec, gamma: int, schedule: BatchSchedule | None = None) -> dict:
+    """vLLM's speculative_config for the config's draft drafting `gamma` tokens per block (by batch size
+    where a schedule says so: vLLM's `num_speculative_tokens_per_batch_size`); a draft vLLM has no
+    counterpart of is a SpecdecError that says so."""
+    speculative = drafting_config(draft, gamma)
+    if schedule is not None:
+        speculative["num_speculative_tokens_per_batch_size"] = [list(entry) for entry in schedule.ranges]
+    return speculative
+
+
+def drafting_config(draft: DraftSpec, gamma: int) -> dict:
     if draft.lookup is not None:
         raise SpecdecError("vLLM has no equivalent of prompt lookup ahead of a draft model (draft.lookup)")
     if draft.recycling is not None:

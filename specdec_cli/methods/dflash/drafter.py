@@ -23,7 +23,6 @@ from specdec_cli.methods.model import draft_token
 
 class BlockDrafter(Drafter):
     reads_target_states = True  # the layers `model.state_layers`, side by side
-    follows = True
 
     def __init__(self, model: torch.nn.Module, vocab_size: int):  # a DFlashDraft (methods/dflash/checkpoint.py)
         self.model = model

@@ -25,7 +25,7 @@ class FeatureDrafter(Drafter):
     A draft whose head scores a subset of the vocabulary is run over those columns alone: its tokens
     are mapped to the target's ids, and q is spread over all `vocab_size` ids only for verification."""
 
-    reads_target_states = follows = stops_when_unsure = True
+    reads_target_states = stops_when_unsure = True
 
     def __init__(
         self, draft: PreTrainedModel, vocab_size: int, confidence_threshold: float = 0.0, graphs: bool = False

@@ -17,7 +17,6 @@ from specdec_cli.methods.model import draft_token
 
 class MedusaDrafter(Drafter):
     reads_target_states = True  # the target's last state (after its final norm), `state_layers` (-1,)
-    follows = True
 
     def __init__(self, heads: torch.nn.Module, vocab_size: int):  # MedusaHeads (methods/medusa/checkpoint.py)
         self.heads = heads
