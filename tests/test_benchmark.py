@@ -419,6 +419,10 @@ def test_hf_peer_runs_beside_specdec(tmp_path):
     assert "same loaded models" in record["peer_fairness"] and "earliest match" in record["peer_fairness"]
     hf_runs = [r for r in record["runs"] if r["engine"] != "specdec"]
     assert all(r["repeats"][0]["new_tokens"] == 12 for r in hf_runs)  # ignore_eos honoured
+    # the chart sets each peer mode beside specdec's (transformers reports no acceptance by position)
+    folder = written_record(tmp_path, SAME_PAIR["name"])
+    assert_charts(folder, "Beside the peer: end-to-end tok/s", "T=1, γ=3 beside hf prompt lookup")
+    assert "Beside the peer: acceptance" not in (folder / "chart.svg").read_text()
 
 
 def test_hf_peer_runs_a_draft_model_as_its_assistant(same_config):

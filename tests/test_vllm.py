@@ -298,7 +298,7 @@ def test_vllms_ngram_counters_agree_with_its_steps_and_its_greedy_tokens_are_the
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not has_vllm(), reason="vLLM is not set up: specdec setup-vllm")
-def test_benchmark_peer_vllm_gives_specdecs_greedy_tokens(files):
+def test_benchmark_peer_vllm_gives_specdecs_greedy_tokens(files, tmp_path):
     code, out, err = benchmark(*files, "--peer", "vllm", "--json")
     assert code == 0, err
     record = json.loads(out)
@@ -312,6 +312,8 @@ def test_benchmark_peer_vllm_gives_specdecs_greedy_tokens(files):
     assert speculative["peer_end_to_end_speedup"] is not None
     assert record["peer_versions"]["vllm"] and record["peer_versions"]["vllm_device"] in ("cpu", "cuda")
     assert CPU_BUILD_SAMPLING not in record["peer_fairness"]  # greedy: the CPU build's bug does not apply
+    [chart] = (tmp_path / "runs").glob("*-benchmark-*/chart.svg")  # vLLM's acceptance beside specdec's
+    assert "Beside the peer: acceptance by draft position" in chart.read_text()
 
 
 @pytest.mark.vllm

@@ -123,13 +123,54 @@ def throughput_by_batch_size(ax, record: dict) -> None:
     _legend(ax)
 
 
+def _peer_label(row: dict) -> str:
+    """A peer row's pairing: `T=1, γ=3 beside hf prompt lookup` (specdec's chain, the peer's mode)."""
+    ours = mode_label({"temperature": row["temperature"], "gamma": row["specdec_gamma"]})
+    return f"{ours} beside {row['engine']}" + ("" if row["gamma"] else " (target alone)")
+
+
+def beside_peers(ax, record: dict) -> None:
+    """Per peer mode, specdec's end-to-end tokens/s and the peer's, side by side, each bar labelled
+    with its speedup over its own engine's target alone."""
+    ax.set_title("Beside the peer: end-to-end tok/s (labels: speedup over its own target alone)")
+    rows = record.get("peers") or []
+    width = 0.4
+    for offset, side, colour in ((-width / 2, "specdec", "C0"), (width / 2, "peer", "C1")):
+        values = [_first(r[f"{side}_tokens_per_second"]) for r in rows]
+        bars = ax.bar([i + offset for i in range(len(rows))], values, width, color=colour, label=side)
+        speedups = [_first(r[f"{side}_end_to_end_speedup"]) for r in rows]
+        ax.bar_label(bars, [f"{x:.2f}x" if not math.isnan(x) else "" for x in speedups], fontsize="small")
+    ax.set_xticks(range(len(rows)), [_peer_label(r) for r in rows], rotation=20, ha="right")
+    ax.set_ylabel("tok/s")
+    _legend(ax)
+
+
+def peer_acceptance_by_position(ax, record: dict) -> None:
+    """The peer's acceptance by position (dashed) beside specdec's (solid), where the peer reports its steps."""
+    ax.set_title("Beside the peer: acceptance by draft position")
+    rows = [r for r in record.get("peers") or [] if r["gamma"] and r.get("peer_acceptance_by_position")]
+    if not rows:
+        return _nothing(ax, "the peer reports no acceptance")
+    for i, row in enumerate(rows):
+        for side, style in (("specdec", "-"), ("peer", "--")):
+            rates = [_first(p) for p in row[f"{side}_acceptance_by_position"]]
+            name = "specdec" if side == "specdec" else row["engine"]
+            label = f"{name}, {mode_label({'temperature': row['temperature'], 'gamma': row['gamma']})}"
+            ax.plot(range(1, len(rates) + 1), rates, style, marker="o", color=f"C{i % 10}", label=label)
+    ax.set_xlabel("draft position")
+    ax.set_ylim(0, 1.05)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    _legend(ax)
+
+
 def heading(record: dict) -> str:
     return f"{record['name']} ({record['timestamp']}, {verification(record)})"
 
 
 def draw(columns: list[tuple[str, dict]]) -> dict[str, bytes]:
     """The chart files of records (column heading, record): a row per panel, a column per record,
-    the y axis shared along each row. The batch panel only when some record measured batch sizes."""
+    the y axis shared along each row. The batch panel only when some record measured batch sizes, the
+    peer panels only when some record ran a peer."""
     import matplotlib
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg: no display needed
     from matplotlib.figure import Figure
@@ -137,6 +178,11 @@ def draw(columns: list[tuple[str, dict]]) -> dict[str, bytes]:
     panels = [speedup_by_category, accepted_length_by_category, acceptance_by_position]
     if any(r["batch_size"] > 1 for _, record in columns for r in record.get("batch_summary") or []):
         panels.append(throughput_by_batch_size)
+    peers = [row for _, record in columns for row in record.get("peers") or []]
+    if peers:
+        panels.append(beside_peers)
+    if any(row.get("peer_acceptance_by_position") for row in peers):  # vLLM reports its steps, transformers not
+        panels.append(peer_acceptance_by_position)
     figure = Figure(figsize=(9 * len(columns), 3.6 * len(panels)), layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.subplots(len(panels), len(columns), sharey="row", squeeze=False)
