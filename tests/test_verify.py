@@ -205,6 +205,27 @@ def test_at_cut_tells_float_ties_from_tokens_outside_the_support():
     assert not checks.at_cut(logits, SamplingParams(1.0, top_p=0.7), 2, margin)  # out by 0.1 of mass
 
 
+def test_tokens_tied_at_the_top_k_cut_are_ties_whichever_the_generating_forward_kept():
+    """bfloat16 rounds logits level: warp keeps every token level with the k-th largest, and the
+    generating forward, its logits off by float noise, keeps k of them. Its draws then never show the
+    token it dropped, which a test against warp's distribution reads as a failure; left out as ties,
+    the same draws pass."""
+    logits = torch.tensor([2.0, 1.5, 1.0, 1.0, -1.0])  # the 3rd and 4th level
+    params, margin = SamplingParams(1.0, top_k=3), 1e-3
+    assert int((sampling.warp(logits, params) > 0).sum()) == 4
+    generating = sampling.warp(logits + torch.tensor([0.0, 0.0, margin / 2, 0.0, 0.0]), params)  # it keeps the 3rd
+    drawn = sampling.sample(generating.expand(20_000, -1), torch.Generator().manual_seed(0))
+    counts = np.bincount(drawn.numpy(), minlength=5).astype(float)
+    against_warp = statistics.Fit()
+    against_warp.add(counts.copy(), sampling.warp(logits, params).double().numpy())
+    assert against_warp.row("2", "warp's", SIGNIFICANCE).p_value < 1e-6  # the false failure
+    fit = statistics.Fit()
+    checks.add_draws(fit, logits, params, counts, margin)
+    row = fit.row("2", "tied tokens left out", SIGNIFICANCE)
+    assert fit.ties == int((drawn == 2).sum()) > 0 and row.p_value > SIGNIFICANCE
+    assert not checks.tied_at_top_k(torch.tensor([2.0, 1.5, 1.0, 0.9, -1.0]), params, margin).any()  # a clear cut
+
+
 # ---------------------------------------------------------------- 1. the sampler
 
 

@@ -189,16 +189,39 @@ def at_cut(logits: torch.Tensor, params: SamplingParams, token: int, margin: flo
     )
 
 
-def add_draws(fit: Fit, pair: Pair, context: list[int], params: SamplingParams, counts: np.ndarray) -> None:
-    """Add the tokens drawn after `context` (counts [V]) against the target's exact warped distribution
-    there; draws of a token it excludes only by float noise at the cut are ties, left out."""
-    logits = next_logits(pair, context)
-    probs = sampling.warp(logits, params).double().cpu().numpy()
+def tied_at_top_k(logits: torch.Tensor, params: SamplingParams, margin: float) -> torch.Tensor:
+    """[..., V] the tokens level with the k-th largest logit within float noise (`margin`), where some of
+    them are kept and some dropped: which ones the generating forward kept, its logits differing by such
+    noise, is a tie (bfloat16 rounds many logits to the same value). None where the cut is clear."""
+    k = params.top_k
+    if not 0 < k < logits.shape[-1]:
+        return torch.zeros_like(logits, dtype=torch.bool)
+    kth = logits.topk(k, dim=-1).values[..., -1:]
+    near = (logits - kth).abs() <= margin
+    straddles = (logits >= kth - margin).sum(-1, keepdim=True) > k
+    return near & straddles
+
+
+def reference(logits: torch.Tensor, params: SamplingParams, margin: float) -> tuple[np.ndarray, np.ndarray]:
+    """The target's warped distribution [..., V] with the tokens tied at the top-k cut taken out (their
+    probability 0: the tests condition on drawing none of them, which the generating forward and the
+    reference agree on whichever of them either kept), and those tokens."""
+    tied = tied_at_top_k(logits, params, margin)
+    probs = sampling.warp(logits, params).masked_fill(tied, 0)
+    return probs.double().cpu().numpy(), tied.cpu().numpy()
+
+
+def add_draws(fit: Fit, logits: torch.Tensor, params: SamplingParams, counts: np.ndarray, margin: float) -> None:
+    """Add the tokens drawn at one position (counts [V]) against the target's exact warped distribution
+    there, from its `logits` [V]; draws of a token on the cut within float noise (`margin`: `reference`,
+    `at_cut`) are ties, left out."""
+    probs, tied = reference(logits, params, margin)
     for token in np.flatnonzero((counts > 0) & (probs == 0)):
-        if at_cut(logits, params, int(token), tie_margin(pair)):
+        if tied[token] or at_cut(logits, params, int(token), margin):
             fit.ties += int(counts[token])
             counts[token] = 0
-    fit.add(counts, probs)
+    if counts.sum() and probs.sum():
+        fit.add(counts, probs)
 
 
 @dataclass
@@ -246,7 +269,8 @@ def rank_values(
     pair.target.reset(len(prompt_ids) + len(tokens))
     context = torch.tensor([prompt_ids + tokens[:-1]], device=pair.device)
     logits = pair.target.forward(context).logits[0, len(prompt_ids) - 1 :]  # [k, V]: one fresh forward
-    probs = sampling.warp(logits, params).double().cpu().numpy()
+    probs, tied = reference(logits, params, tie_margin(pair))
+    probs /= probs.sum(1, keepdims=True).clip(min=np.finfo(float).tiny)  # given no tied token
     p_x = probs[np.arange(len(tokens)), tokens][:, None]
     u = np.where(probs > p_x, probs, 0).sum(1) + rng.random(len(tokens)) * np.where(probs == p_x, probs, 0).sum(1)
     u = u.clip(0, 1)  # float32 probabilities may sum to 1 + 1e-7
@@ -254,7 +278,8 @@ def rank_values(
     u[zero] = np.nan
     impossible = np.zeros(len(tokens), dtype=bool)
     for t in np.flatnonzero(zero):
-        impossible[t] = not at_cut(logits[t], params, tokens[t], tie_margin(pair))
+        drawn = tokens[t]
+        impossible[t] = not (tied[t, drawn] or at_cut(logits[t], params, drawn, tie_margin(pair)))
     return u, impossible
 
 
@@ -305,7 +330,8 @@ def check_token_runs(
     vocab, span = pair.target.vocab_size, pair.decoder(params).gamma + 1  # the longest block's
     advance = stage(f"target references, {label}", span + len(tokens))
     fit = Fit()
-    add_draws(fit, pair, prompt_ids, params, np.bincount(tokens[:, 0], minlength=vocab))
+    margin = tie_margin(pair)
+    add_draws(fit, next_logits(pair, prompt_ids), params, np.bincount(tokens[:, 0], minlength=vocab), margin)
     advance()
     rows = [fit.row("2 first token", f"{label}: token 1 vs the warped target", significance)]
     for position in range(2, min(span, tokens.shape[1]) + 1):
@@ -314,9 +340,8 @@ def check_token_runs(
         frequent = [(prefix, n) for prefix, n in prefixes.most_common(MAX_PREFIXES) if n >= MIN_PREFIX_RUNS]
         for prefix, _ in frequent:
             chosen = (tokens[:, : position - 1] == prefix).all(axis=1)
-            add_draws(
-                fit, pair, prompt_ids + list(prefix), params, np.bincount(tokens[chosen, position - 1], minlength=vocab)
-            )
+            counts = np.bincount(tokens[chosen, position - 1], minlength=vocab)
+            add_draws(fit, next_logits(pair, prompt_ids + list(prefix)), params, counts, margin)
         advance()
         what = (
             f"{label}: token {position} given its {len(frequent)} most frequent prefixes "
