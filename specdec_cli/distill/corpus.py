@@ -214,23 +214,32 @@ def label_answers(
     same pass gives the target states `layers` the draft reads, kept as `add_target_features` keeps
     them, so training does not run the target over the answers again."""
     labelled: list[dict] = []
+    shards = [answers[start : start + SHARD] for start in range(0, len(answers), SHARD)]
+    done = set()
+    for number, shard in enumerate(shards):
+        path = work / f"labels-{number:05d}.pt"
+        kept = load_kept(path) if path.is_file() else []
+        # a kept shard counts only while it labels these very answers (the file may have grown or
+        # changed since)
+        if [(a["prompt"], a["answer"]) for a in kept] == [(a["prompt"], a["answer"]) for a in shard]:
+            for a, labels in zip(shard, kept):
+                a["top_ids"], a["top_logp"] = labels["top_ids"], labels["top_logp"]
+            done.add(number)
     with display.progress() as bar:
-        task = bar.add_task("Target labels the answers", total=len(answers))
-        for number, start in enumerate(range(0, len(answers), SHARD)):
-            shard = answers[start : start + SHARD]
+        # what a stopped run labelled counts as done from the start, so the time left is this run's
+        kept_answers = sum(len(shards[number]) for number in done)
+        task = bar.add_task("Target labels the answers", total=len(answers), completed=kept_answers)
+        for number, shard in enumerate(shards):
             path = work / f"labels-{number:05d}.pt"
-            kept = load_kept(path) if path.is_file() else []
-            # a kept shard counts only while it labels these very answers (the file may have grown
-            # or changed since)
-            if [(a["prompt"], a["answer"]) for a in kept] == [(a["prompt"], a["answer"]) for a in shard]:
-                for a, labels in zip(shard, kept):
-                    a["top_ids"], a["top_logp"] = labels["top_ids"], labels["top_logp"]
+            if number in done:
                 labelled += shard
-                bar.update(task, advance=len(shard))
                 continue
-            states = []
+            states: list[torch.Tensor | None] = [None] * len(shard)
+            # rows of similar length together: less padding to run through the target
+            by_length = sorted(range(len(shard)), key=lambda i: sequence_length(shard[i]))
             for first in range(0, len(shard), 8):
-                group = shard[first : first + 8]
+                rows = by_length[first : first + 8]
+                group = [shard[i] for i in rows]
                 ids, mask = pad_right([a["prompt"] + a["answer"] for a in group], pad)
                 out = target(
                     input_ids=ids.to(target.device),
@@ -238,12 +247,12 @@ def label_answers(
                     output_hidden_states=True,
                 )
                 taps = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
-                for row, a in enumerate(group):
+                for row, (i, a) in enumerate(zip(rows, group)):
                     # the last prompt token's logits predict the first answer token
                     at = slice(len(a["prompt"]) - 1, len(a["prompt"]) - 1 + len(a["answer"]))
                     top = out.logits[row, at].float().log_softmax(-1).topk(top_k, dim=-1)
                     a["top_ids"], a["top_logp"] = top.indices.int().cpu(), top.values.half().cpu()
-                    states.append(taps[row, : sequence_length(a)].cpu().clone())  # its own storage: saved alone
+                    states[i] = taps[row, : sequence_length(a)].cpu().clone()  # its own storage: saved alone
                 bar.update(task, advance=len(group))
             save_whole(states, states_path(work, layers, number))
             save_whole(shard, path)
