@@ -376,35 +376,50 @@ TINY_SIZES = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "interme
 
 def validate(config: Config) -> None:
     """Range checks that types alone do not catch. Runs after overrides, so flags are checked too."""
-    s = config.sampling
+    check_sampling(config.sampling)
+    check_speculation(config)
+    if config.generation.max_new_tokens < 1:
+        raise SpecdecError(f"max_new_tokens must be >= 1, got {config.generation.max_new_tokens}")
+    check_runtime(config.runtime)
+    check_sources(config)
+    check_drafters(config.draft, config.speculation.tree)
+    check_ints(config)  # the settings no check above bounds
+
+
+def check_sampling(s: Sampling) -> None:
     if not math.isfinite(s.temperature) or s.temperature < 0:
         raise SpecdecError(f"temperature must be a finite number >= 0 (0 is greedy), got {s.temperature}")
     if not 0 < s.top_p <= 1:
         raise SpecdecError(f"top_p must be in (0, 1], got {s.top_p}")
     if s.top_k < 0:
         raise SpecdecError(f"top_k must be >= 0 (0 disables it), got {s.top_k}")
-    draft = config.draft
+
+
+def check_speculation(config: Config) -> None:
+    """Draft lengths (the chain's and those of the drafters ahead of a model), the threshold, the rule,
+    the tree and the schedule."""
+    draft, speculation = config.draft, config.speculation
     for name, tokens in (
-        ("num_draft_tokens", config.speculation.num_draft_tokens),
+        ("num_draft_tokens", speculation.num_draft_tokens),
         ("lookup num_draft_tokens", draft.lookup.num_draft_tokens if draft.lookup else None),
         ("suffix num_draft_tokens", draft.suffix.num_draft_tokens if draft.suffix else None),
     ):
         if tokens is not None and not 1 <= tokens <= MAX_DRAFT_TOKENS:
             raise SpecdecError(f"{name} must be between 1 and {MAX_DRAFT_TOKENS}, got {tokens}")
-    if not 0 <= config.speculation.confidence_threshold < 1:
+    if not 0 <= speculation.confidence_threshold < 1:
         raise SpecdecError(
-            f"confidence_threshold must be in [0, 1) (0 always drafts), got {config.speculation.confidence_threshold}"
+            f"confidence_threshold must be in [0, 1) (0 always drafts), got {speculation.confidence_threshold}"
         )
-    if config.speculation.verification not in VERIFICATIONS:
-        raise SpecdecError(f"verification must be token or block, got {config.speculation.verification!r}")
-    if config.speculation.tree:
-        check_tree(config.speculation.tree)
+    if speculation.verification not in VERIFICATIONS:
+        raise SpecdecError(f"verification must be token or block, got {speculation.verification!r}")
+    if speculation.tree:
+        check_tree(speculation.tree)
     check_schedule(config)
-    if config.speculation.tree and config.speculation.verification == "block":
+    if speculation.tree and speculation.verification == "block":
         raise SpecdecError("block verification judges a chain; a tree has its own rule: set verification: token")
-    if config.generation.max_new_tokens < 1:
-        raise SpecdecError(f"max_new_tokens must be >= 1, got {config.generation.max_new_tokens}")
-    r = config.runtime
+
+
+def check_runtime(r: Runtime) -> None:
     if r.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise SpecdecError(f"dtype must be auto, float32, bfloat16 or float16, got {r.dtype!r}")
     if r.cuda_graphs not in ("off", "on", "auto"):
@@ -417,6 +432,10 @@ def validate(config: Config) -> None:
     for name in ("tensor_parallel_size", "pipeline_parallel_size"):
         if getattr(r, name) < 1:
             raise SpecdecError(f"runtime.{name} must be >= 1, got {getattr(r, name)}")
+
+
+def check_sources(config: Config) -> None:
+    """Exactly one source for the target (a checkpoint or a tiny model) and for the draft."""
     for role, spec in (("target", config.target), ("draft", config.draft)):
         sources = [s for s in ("checkpoint", "tiny", "ngram", "recycling") if getattr(spec, s, None) is not None]
         allowed = (
@@ -430,8 +449,12 @@ def validate(config: Config) -> None:
             raise SpecdecError(f"config: `{role}.checkpoint` is empty")
         if spec.tiny is not None:
             check_tiny(spec.tiny, f"{role}.tiny")
+
+
+def check_drafters(draft: DraftSpec, tree: TreeShape | None) -> None:
+    """The training-free drafters' settings, and which of them go together."""
     for name in ("ngram", "lookup"):
-        sizes = getattr(config.draft, name)
+        sizes = getattr(draft, name)
         if sizes and not 1 <= sizes.min_n <= sizes.max_n:
             raise SpecdecError(f"{name} sizes need 1 <= min_n <= max_n, got {sizes.min_n}..{sizes.max_n}")
     if draft.lookup and not draft.has_model:
@@ -445,13 +468,11 @@ def validate(config: Config) -> None:
     check_suffix(draft.suffix)
     if draft.recycling and draft.recycling.candidates < 1:
         raise SpecdecError(f"recycling candidates must be >= 1, got {draft.recycling.candidates}")
-    tree = config.speculation.tree
     if draft.recycling and tree and tree.top_k > draft.recycling.candidates:
         raise SpecdecError(
             f"a token recycling tree takes its children from the {draft.recycling.candidates} candidates "
             f"kept per token: tree top_k {tree.top_k} is more"
         )
-    check_ints(config)  # the settings no check above bounds
 
 
 def check_schedule(config: Config) -> None:
