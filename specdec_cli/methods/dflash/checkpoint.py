@@ -220,21 +220,7 @@ def load(folder: DraftFolder, target_model, dtype: torch.dtype) -> DFlashDraft:
     vocab_size = head.weight.shape[0]
     dflash = config.get("dflash_config") or {}
 
-    # variants vLLM reads that this does not: refused rather than run as something else
-    unsupported = [
-        what
-        for what, present in (
-            ("sliding-window layers", "sliding_attention" in (config.get("layer_types") or [])),
-            ("sliding-window layers", config.get("use_sliding_window") or dflash.get("use_swa")),
-            ("causal attention", dflash.get("causal") or config.get("is_causal")),
-            ("attention sink biases", dflash.get("attention_sink_bias")),
-            ("interleaved RoPE", config.get("is_neox_style") is False),
-            ("a separate mask embedding (mask_embedding.pt)", (folder.path / "mask_embedding.pt").is_file()),
-        )
-        if present
-    ]
-    if unsupported:
-        raise SpecdecError(f"{where}: {', '.join(dict.fromkeys(unsupported))} not supported")
+    refuse_variants(folder, config, dflash, where)
     block_size = dflash.get("block_size", config.get("block_size"))  # newer z-lab configs nest it
     if not isinstance(block_size, int) or block_size < 2:
         raise SpecdecError(f"{where}: config needs block_size >= 2 (found {block_size!r})")
@@ -284,7 +270,35 @@ def load(folder: DraftFolder, target_model, dtype: torch.dtype) -> DFlashDraft:
     qk_norm = any(k.endswith("self_attn.q_norm.weight") for k in tensors) or draft_config.model_type.startswith("qwen3")
     with torch.device("meta"):
         model = DFlashDraft(draft_config, layer_ids, qk_norm, width)
-    expected = model.state_dict()
+    check_tensors_fit(model.state_dict(), tensors, where)
+    device = head.weight.device
+    model.load_state_dict({k: v.to(device, dtype) for k, v in tensors.items()}, assign=True)
+    model.rotary = LlamaRotaryEmbedding(draft_config).to(device)  # its buffers were made on meta
+    model.mask_token_id = mask_token_id
+    model.borrowed = (embedding, logits)
+    return model.eval()
+
+
+def refuse_variants(folder: DraftFolder, config: dict, dflash: dict, where: str) -> None:
+    """Variants vLLM reads that this does not: refused rather than run as something else."""
+    unsupported = [
+        what
+        for what, present in (
+            ("sliding-window layers", "sliding_attention" in (config.get("layer_types") or [])),
+            ("sliding-window layers", config.get("use_sliding_window") or dflash.get("use_swa")),
+            ("causal attention", dflash.get("causal") or config.get("is_causal")),
+            ("attention sink biases", dflash.get("attention_sink_bias")),
+            ("interleaved RoPE", config.get("is_neox_style") is False),
+            ("a separate mask embedding (mask_embedding.pt)", (folder.path / "mask_embedding.pt").is_file()),
+        )
+        if present
+    ]
+    if unsupported:
+        raise SpecdecError(f"{where}: {', '.join(dict.fromkeys(unsupported))} not supported")
+
+
+def check_tensors_fit(expected: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], where: str) -> None:
+    """The checkpoint's tensors are the module's, name for name and shape for shape."""
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     if missing or unexpected:
@@ -296,12 +310,6 @@ def load(folder: DraftFolder, target_model, dtype: torch.dtype) -> DFlashDraft:
         raise SpecdecError(
             f"{where}: {wrong[0]} is {list(tensors[wrong[0]].shape)}, its config says {list(expected[wrong[0]].shape)}"
         )
-    device = head.weight.device
-    model.load_state_dict({k: v.to(device, dtype) for k, v in tensors.items()}, assign=True)
-    model.rotary = LlamaRotaryEmbedding(draft_config).to(device)  # its buffers were made on meta
-    model.mask_token_id = mask_token_id
-    model.borrowed = (embedding, logits)
-    return model.eval()
 
 
 def drafting(draft: DFlashDraft, vocab_size: int, confidence_threshold: float, graphs: bool) -> Drafting:
