@@ -145,6 +145,10 @@ class Agreeing(Drafter):
         self.inner.commit(draft_ids, num_accepted, next_tokens, target_states)
         self.done = [done + accepted + 1 for done, accepted in zip(self.done, num_accepted)]
 
+    def follow(self, tokens, target_states):
+        self.inner.follow(tokens, target_states)
+        self.done = [done + len(new) for done, new in zip(self.done, tokens)]
+
     def keep(self, rows):
         self.inner.keep(rows)
         self.answers = self.answers[torch.tensor(rows, device=self.device)]
