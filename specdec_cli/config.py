@@ -485,12 +485,12 @@ def check_schedule(config: Config) -> None:
     longest = max(config.speculation.num_draft_tokens, (ahead and ahead.num_draft_tokens) or 0)
     for mode in ("greedy", "sampled"):
         try:
-            most = (config.batch_schedule(mode == "greedy") or BatchSchedule(((1, 1, 0),))).most
+            parsed = config.batch_schedule(mode == "greedy")
         except ValueError as exc:
             raise SpecdecError(f"speculation.schedule.{mode}: {exc}") from None
-        if most > longest:
+        if parsed and parsed.most > longest:
             raise SpecdecError(
-                f"speculation.schedule.{mode}: {most} draft tokens is more than the chain's {longest} "
+                f"speculation.schedule.{mode}: {parsed.most} draft tokens is more than the chain's {longest} "
                 "(num_draft_tokens): a schedule shortens blocks"
             )
 

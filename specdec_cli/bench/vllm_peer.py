@@ -148,8 +148,8 @@ def run_vllm(
     """Every vLLM mode of the plan, at batch 1 and at each larger batch size, an engine per gamma."""
     done = VllmRuns([], [], False, "", "")
     dtype = str(pair.dtype).removeprefix("torch.")
+    schedule = vllm_schedule(pair.config, plan.temperatures)
     for gamma, modes in plan.vllm_modes().items():
-        schedule = vllm_schedule(pair.config, plan.temperatures)
         speculative = speculative_config(pair.config.draft, gamma, schedule) if gamma else None
         with VllmWorker(engine_settings(pair.config, dtype, speculative)) as worker:
             done.version, done.device = worker.version, worker.device

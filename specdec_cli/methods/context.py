@@ -69,7 +69,8 @@ class ContextDrafter(Drafter):
 
     def follow(self, tokens: Rows, target_states: States) -> None:
         """The rows' contexts grew by `tokens` as a block's accepted tokens would grow them."""
-        self.commit([new[:-1] for new in tokens], [len(new) - 1 for new in tokens], [new[-1] for new in tokens], None)
+        accepted = [new[:-1] for new in tokens]
+        self.commit(accepted, [len(ids) for ids in accepted], [new[-1] for new in tokens], target_states)
 
     def keep(self, rows: list[int]) -> None:
         self.contexts = [self.contexts[r] for r in rows]
