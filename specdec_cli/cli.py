@@ -17,6 +17,7 @@ from specdec_cli.config import parse_tree
 from specdec_cli.errors import SpecdecError
 from specdec_cli.options import (
     EXIT_INTERRUPTED,
+    CategoryOpt,
     ConfidenceOpt,
     ConfigOpt,
     CudaGraphsOpt,
@@ -24,8 +25,10 @@ from specdec_cli.options import (
     DtypeOpt,
     IgnoreEosOpt,
     JsonOpt,
+    LimitOpt,
     MaxNewOpt,
     NumDraftTokensOpt,
+    PromptsOpt,
     RecordOpt,
     RunsDirOpt,
     SeedOpt,
@@ -199,15 +202,9 @@ def generate(
 @reports_errors
 def benchmark(
     config: ConfigOpt = None,
-    prompts: Annotated[
-        Optional[Path],
-        typer.Option(
-            help='Spec-Bench question.jsonl, JSONL of {"prompt": ...}, or text (a prompt per line) '
-            "(default: the built-in suite, 1 prompt per category)."
-        ),
-    ] = None,
-    category: Annotated[Optional[str], typer.Option(help="Only prompts of this category.")] = None,
-    limit: Annotated[Optional[int], typer.Option(help="At most this many prompts per category.")] = None,
+    prompts: PromptsOpt = None,
+    category: CategoryOpt = None,
+    limit: LimitOpt = None,
     num_draft_tokens_list: Annotated[
         Optional[str],
         typer.Option(help="Draft tokens per target forward to sweep, e.g. 1,2,4 (default: the config's)."),
@@ -302,6 +299,67 @@ def benchmark(
     from specdec_cli.commands.benchmark import execute  # torch/transformers load only once arguments are fine
 
     execute(cfg, selected, plan, Run(runs_dir, record, as_json), min_speedup, min_accept_length)
+
+
+@command(
+    epilog="""Examples:\n
+  specdec tune\n
+  specdec tune -c smollm2-ngram --prompts question.jsonl --batch-sizes 1,2,4,8,16 --temperatures 0,1\n
+  specdec tune --budget-minutes 20 --max-new-tokens 64 --json > tune.json\n
+  specdec benchmark -c runs/<time>-tune-<name>/tuned.yaml --batch-sizes 4   # the tuned config, as written"""
+)
+@reports_errors
+def tune(
+    config: ConfigOpt = None,
+    prompts: PromptsOpt = None,
+    category: CategoryOpt = None,
+    limit: LimitOpt = None,
+    batch_sizes: Annotated[str, typer.Option(help="Batch sizes to tune for, e.g. 1,2,4,8,16.")] = "1,2,4,8",
+    temperatures: Annotated[str, typer.Option(help="Temperatures to tune for (0 is greedy).")] = "0,1",
+    sample: Annotated[int, typer.Option(min=1, help="Prompts the short probes decode.")] = 4,
+    finalists: Annotated[
+        int,
+        typer.Option(
+            min=0, help="Predicted best draft lengths run for real, besides the target alone and the config's own."
+        ),
+    ] = 2,
+    budget_minutes: Annotated[
+        Optional[float], typer.Option(help="Stop starting runs after this long; what was measured is kept.")
+    ] = None,
+    max_new_tokens: MaxNewOpt = None,
+    ignore_eos: IgnoreEosOpt = None,
+    seed: SeedOpt = None,
+    repeats: Annotated[int, typer.Option(min=1, help="Runs of each finalist; the median counts.")] = 1,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    threads: ThreadsOpt = None,
+    as_json: JsonOpt = False,
+    runs_dir: RunsDirOpt = None,
+    record: RecordOpt = True,
+) -> None:
+    """Find the draft tokens per block that decode fastest at each batch size and temperature: short probes
+    predict every length's speedup, the best few run for real on all the prompts beside the target alone
+    and the config as it is, and the measured best is kept. Writes runs/<time>-tune-<name>/ with tuned.yaml
+    (the config with speculation.schedule), vLLM's speculative_config where vLLM has the draft, report.md
+    and a chart."""
+    cfg = configure(
+        config,
+        sampling__seed=seed,
+        generation__max_new_tokens=max_new_tokens,
+        generation__ignore_eos=ignore_eos,
+        runtime__device=device,
+        runtime__dtype=dtype,
+        runtime__threads=threads,
+    )
+    sizes = sorted(set(parse_list(batch_sizes, int, "--batch-sizes")))
+    plan = make_plan(cfg, None, parse_list(temperatures, float, "--temperatures"), repeats, 1, None, sizes)
+    if sizes[0] < 1:
+        raise SpecdecError(f"--batch-sizes must be >= 1, got {sizes}")
+    from specdec_cli.commands.tune import TuneSettings
+    from specdec_cli.commands.tune import tune as run_tune
+
+    settings = TuneSettings(sizes, plan.temperatures, sample, finalists, budget_minutes, plan)
+    run_tune(cfg, choose_prompts(prompts, category, limit), settings, Run(runs_dir, record, as_json))
 
 
 @command(

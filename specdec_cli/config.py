@@ -475,14 +475,19 @@ def check_drafters(draft: DraftSpec, tree: TreeShape | None) -> None:
         )
 
 
+def longest_block(config: Config) -> int:
+    """The most draft tokens a block of the config's chain drafts: the model's, or lookup's ahead of it."""
+    ahead = config.draft.lookup or config.draft.suffix
+    return max(config.speculation.num_draft_tokens, (ahead and ahead.num_draft_tokens) or 0)
+
+
 def check_schedule(config: Config) -> None:
     schedule = config.speculation.schedule
     if schedule is None:
         return
     if config.speculation.tree:
         raise SpecdecError("speculation.schedule sets a chain's length by batch size: drop it or the tree")
-    ahead = config.draft.lookup or config.draft.suffix
-    longest = max(config.speculation.num_draft_tokens, (ahead and ahead.num_draft_tokens) or 0)
+    longest = longest_block(config)
     for mode in ("greedy", "sampled"):
         try:
             parsed = config.batch_schedule(mode == "greedy")

@@ -45,6 +45,15 @@ TreeOpt = Annotated[
         "of the top-k most probable nodes; the max-nodes most probable verified at once)."
     ),
 ]
+PromptsOpt = Annotated[
+    Optional[Path],
+    typer.Option(
+        help='Spec-Bench question.jsonl, JSONL of {"prompt": ...}, or text (a prompt per line) '
+        "(default: the built-in suite, 1 prompt per category)."
+    ),
+]
+CategoryOpt = Annotated[Optional[str], typer.Option(help="Only prompts of this category.")]
+LimitOpt = Annotated[Optional[int], typer.Option(help="At most this many prompts per category.")]
 MaxNewOpt = Annotated[Optional[int], typer.Option(help="Most tokens to generate.")]
 IgnoreEosOpt = Annotated[
     Optional[bool], typer.Option("--ignore-eos/--stop-at-eos", help="Keep generating past end-of-sequence.")

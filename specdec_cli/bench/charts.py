@@ -171,7 +171,6 @@ def draw(columns: list[tuple[str, dict]]) -> dict[str, bytes]:
     """The chart files of records (column heading, record): a row per panel, a column per record,
     the y axis shared along each row. The batch panel only when some record measured batch sizes, the
     peer panels only when some record ran a peer."""
-    import matplotlib
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg: no display needed
     from matplotlib.figure import Figure
 
@@ -190,6 +189,12 @@ def draw(columns: list[tuple[str, dict]]) -> dict[str, bytes]:
         for row, panel in enumerate(panels):
             panel(axes[row][column], record)
         axes[0][column].set_title(f"{title}\n{axes[0][column].get_title()}")
+    return _files(figure)
+
+
+def _files(figure) -> dict[str, bytes]:
+    import matplotlib
+
     files = {}
     for name in CHART_FILES:
         buffer = io.BytesIO()
@@ -197,3 +202,35 @@ def draw(columns: list[tuple[str, dict]]) -> dict[str, bytes]:
             figure.savefig(buffer, format=name.rsplit(".", 1)[1], dpi=110)
         files[name] = buffer.getvalue()
     return files
+
+
+def draw_tuning(record: dict) -> dict[str, bytes]:
+    """`specdec tune`'s chart: a panel per temperature, speedup over the target alone by batch size of
+    the chosen draft tokens (measured, and as predicted) and of the config as it is."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    temperatures = sorted({c["temperature"] for c in record["choices"]})
+    figure = Figure(figsize=(5 * len(temperatures), 3.8), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(1, len(temperatures), sharey="row", squeeze=False)[0]
+    for ax, temperature in zip(axes, temperatures):
+        choices = [c for c in record["choices"] if c["temperature"] == temperature]
+        choices.sort(key=lambda c: c["batch_size"])
+        sizes = [c["batch_size"] for c in choices]
+        lines = [
+            ("tuned, measured", "C0", "-", [c["measured"].get(c["chosen"], math.nan) for c in choices]),
+            ("tuned, predicted", "C0", "--", [c["predicted"][c["chosen"]] for c in choices]),
+            ("config as it is", "C1", ":", [c["measured"].get(c["config_tokens"], math.nan) for c in choices]),
+        ]
+        for label, colour, style, values in lines:
+            ax.plot(sizes, values, style, color=colour, marker="o", label=label)
+        for size, c in zip(sizes, choices):
+            ax.annotate(str(c["chosen"] or "off"), (size, c["predicted"][c["chosen"]]), fontsize="small")
+        ax.axhline(1.0, color="gray", linestyle="--", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(s) for s in sizes])
+        ax.set(title=temperature_label(temperature), xlabel="batch size", ylabel="speedup over the target alone")
+    _legend(axes[-1])
+    figure.suptitle(f"{heading(record)}: draft tokens per block (labels) by batch size")
+    return _files(figure)

@@ -384,10 +384,10 @@ def chart_links(charts: list[str]) -> list[str]:
 
 
 def markdown_document(record: dict, reports: list[Report], charts: list[str]) -> str:
-    """The benchmark's report.md: its tables, below the chart files `charts` (written beside it)."""
+    """A benchmark's or tune's report.md: its tables, below the chart files `charts` (written beside it)."""
     partial = " (partial: interrupted)" if record["partial"] else ""
     head = [
-        f"# specdec benchmark: {record['name']}{partial}",
+        f"# specdec {record['command']}: {record['name']}{partial}",
         "",
         f"{record['timestamp']}; {environment_caption(record['environment'])}",
         "",

@@ -1,0 +1,301 @@
+"""`specdec tune`: the draft tokens per block that decode fastest at each batch size and temperature,
+predicted from short probes (bench/tuning.py), the best few run for real beside the target alone and
+the config as it is, and written as a config with `speculation.schedule` and as vLLM's
+`speculative_config`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import yaml
+
+from specdec_cli import display, records
+from specdec_cli.bench import charts
+from specdec_cli.bench.measure import BatchGenerate
+from specdec_cli.bench.plan import Mode, Plan
+from specdec_cli.bench.prompts import Prompt
+from specdec_cli.bench.report import Report, environment_caption, markdown_document, rich_table, temperature_label
+from specdec_cli.bench.run import run_batch, run_batches
+from specdec_cli.bench.summary import summarize_batches
+from specdec_cli.bench.tuning import Choice, Probe, finalists, predicted_speedup, schedule_ranges
+from specdec_cli.config import Config, Schedule, longest_block
+from specdec_cli.decoding.cache import CachedModel
+from specdec_cli.decoding.metrics import StepRecord
+from specdec_cli.decoding.params import BatchSchedule
+from specdec_cli.decoding.timing import Clock
+from specdec_cli.errors import SpecdecError
+from specdec_cli.pair import Pair, load_pair
+
+PROBE_TOKENS = 32  # new tokens per probe row: enough blocks to time, short enough to probe every size
+WARMUP_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class TuneSettings:
+    batch_sizes: list[int]
+    temperatures: list[float]
+    sample: int  # prompts the probes decode
+    finalists: int  # predicted best lengths run for real, besides the target alone and the config's own
+    budget_minutes: float | None
+    plan: Plan  # max_new_tokens, repeats, seed, sampling settings of the runs for real
+
+
+def with_tokens(pair: Pair, tokens: int) -> Pair:
+    """The pair drafting at most `tokens` per block at every batch size (0: the target alone)."""
+    ranges = [[1, 1, tokens]]
+    speculation = dataclasses.replace(pair.config.speculation, schedule=Schedule(greedy=ranges, sampled=ranges))
+    return dataclasses.replace(pair, config=dataclasses.replace(pair.config, speculation=speculation))
+
+
+def capped_generator(pair: Pair, mode: Mode, plan: Plan, max_new_tokens: int) -> BatchGenerate:
+    """A mode's batches with blocks of at most mode.gamma drafts (run_batches' `make`)."""
+    decoder = with_tokens(pair, mode.gamma).decoder(plan.params(mode.temperature), mode.gamma > 0)
+    return lambda prompts, seed: decoder.generate_batch(prompts, max_new_tokens, seed, ignore_eos=plan.ignore_eos)
+
+
+def batch_of(prompts: list[Prompt], size: int) -> list[Prompt]:
+    """At least `size` prompts: the prompts, repeated when there are fewer."""
+    return (prompts * math.ceil(size / len(prompts)))[: max(size, len(prompts))]
+
+
+@torch.inference_mode()
+def forward_seconds(target: CachedModel, size: int, widths: range, context: int, states: bool) -> dict[int, float]:
+    """One target forward of `size` rows by verification width, on a context of `context` tokens:
+    the median of five after two unmeasured."""
+    clock, vocab = Clock(target.device), target.vocab_size
+    generator = torch.Generator(device=target.device).manual_seed(0)
+    target.reset(context + max(widths) + 1, size)
+    target.forward(torch.randint(vocab, (size, context), device=target.device, generator=generator), logits="none")
+    timed = {}
+    for width in widths:
+        ids = torch.randint(vocab, (size, width), device=target.device, generator=generator)
+        times = []
+        for _ in range(7):
+            start = clock.mark()
+            target.forward(ids, hidden=states)
+            times.append(clock.seconds(start, clock.mark()))
+            target.rollback(width)
+        timed[width] = statistics.median(times[2:])
+    return timed
+
+
+def probe(pair: Pair, sample: list[Prompt], size: int, temperature: float, full: int, plan: Plan) -> Probe:
+    """A batch of `size` sample prompts, PROBE_TOKENS each, target alone and drafting `full` tokens,
+    after a short unmeasured batch of each; and the target's forward by width at this size."""
+    group = batch_of(sample, size)[:size]
+    short = dataclasses.replace(plan, max_new_tokens=PROBE_TOKENS)
+    runs = {}
+    for tokens in (0, full):
+        mode = Mode(temperature, tokens)
+        run_batch(pair, group, capped_generator(pair, mode, short, WARMUP_TOKENS), short, plan.seed)
+        runs[tokens] = run_batch(pair, group, capped_generator(pair, mode, short, PROBE_TOKENS), short, plan.seed)
+    alone, spec = runs[0], runs[full]
+    context = round(statistics.fmean(len(pair.encode(p.turns[0])) for p in group)) + PROBE_TOKENS // 2
+    states = pair.drafter.reads_target_states
+    return Probe(
+        batch_size=size,
+        alone_tokens_per_second=alone["new_tokens"] / alone["decode_seconds"],
+        steps=[StepRecord(*s) for s in spec["steps"]],
+        blocks=spec["blocks"],
+        forward_seconds=forward_seconds(pair.target, size, range(1, full + 2), context, states),
+    )
+
+
+def config_tokens(cfg: Config, size: int, temperature: float) -> int:
+    """What the config as it is drafts per block at this batch size."""
+    schedule = cfg.batch_schedule(greedy=temperature == 0)
+    return longest_block(cfg) if schedule is None else min(schedule.tokens(size), longest_block(cfg))
+
+
+def check_tunable(cfg: Config) -> None:
+    if cfg.speculation.tree is not None:
+        raise SpecdecError(
+            "tune chooses a chain's draft tokens by batch size (speculation.schedule), and the config drafts a "
+            "tree: tune the chain (--num-draft-tokens N)"
+        )
+
+
+def tune(cfg: Config, prompts: list[Prompt], settings: TuneSettings, run: records.Run) -> None:
+    check_tunable(cfg)
+    with display.stderr.status(f"Loading {cfg.target.describe()} and {cfg.draft.describe()}..."):
+        pair = load_pair(cfg)
+    full, plan, started = longest_block(cfg), settings.plan, time.monotonic()
+    sample = prompts[:: max(1, len(prompts) // settings.sample)][: settings.sample]
+    keys = [(t, b) for t in settings.temperatures for b in settings.batch_sizes]
+    choices: dict[tuple[float, int], Choice] = {}
+    probes: dict[tuple[float, int], Probe] = {}
+    batch_runs: list[dict] = []
+    partial = False
+    with display.progress() as bar:
+        task = bar.add_task("probes", total=len(keys))
+        try:
+            for temperature, size in keys:
+                bar.update(task, description=f"probe: batch size {size}, {temperature_label(temperature)}")
+                probes[temperature, size] = probe(pair, sample, size, temperature, full, plan)
+                bar.advance(task)
+        except KeyboardInterrupt:
+            partial = True
+        for temperature in settings.temperatures:
+            measured = [p for (t, _), p in probes.items() if t == temperature]
+            acceptance = [s for p in measured for s in p.steps]
+            for p in measured:
+                predicted = {g: predicted_speedup(p, g, acceptance) for g in range(full + 1)}
+                own = config_tokens(cfg, p.batch_size, temperature)
+                choices[temperature, p.batch_size] = Choice(p.batch_size, temperature, predicted, {}, {}, own)
+        finals = [
+            (key, g)
+            for key in keys
+            if key in choices
+            for g in finalists(choices[key].predicted, choices[key].config_tokens, settings.finalists)
+        ]
+        task = bar.add_task("runs for real", total=len(finals))
+        for (temperature, size), g in finals:
+            if partial or budget_spent(started, settings.budget_minutes):
+                partial = True
+                break
+            rule = cfg.speculation.verification if g and temperature > 0 else "token"
+            mode = Mode(temperature, g, verification=rule)
+            bar.update(task, description=f"batch size {size}: {mode.label}")
+            done, partial = run_batches(
+                pair, batch_of(prompts, size), plan, batched=[(size, mode)], make=capped_generator
+            )
+            batch_runs += done
+            bar.advance(task)
+    rows = summarize_batches([], batch_runs)
+    for key, choice in choices.items():
+        measured = [r for r in rows if (r["temperature"], r["batch_size"]) == key]
+        choice.measured = {r["gamma"]: r["speedup"][0] for r in measured} | ({0: 1.0} if measured else {})
+        choice.accepted_length = {r["gamma"]: r["mean_accepted_length"] for r in measured}
+    finish(cfg, pair, settings, choices, probes, batch_runs, partial, run)
+
+
+def budget_spent(started: float, budget_minutes: float | None) -> bool:
+    return budget_minutes is not None and time.monotonic() - started > 60 * budget_minutes
+
+
+def tuned_schedule(choices: dict[tuple[float, int], Choice]) -> Schedule:
+    """Greedy ranges from the greedy choices; sampled ones from the length measured best on average over
+    the sampled temperatures (one schedule serves them all)."""
+    greedy = {size: c.chosen for (t, size), c in choices.items() if t == 0}
+    sampled: dict[int, int] = {}
+    for size in sorted({size for (t, size) in choices if t > 0}):
+        tables = [c.measured or c.predicted for (t, s), c in choices.items() if t > 0 and s == size]
+        common = set.intersection(*(set(table) for table in tables))
+        sampled[size] = max(sorted(common), key=lambda g: statistics.fmean(table[g] for table in tables))
+    return Schedule(
+        greedy=schedule_ranges(greedy) if greedy else None, sampled=schedule_ranges(sampled) if sampled else None
+    )
+
+
+def tuned_config(cfg: Config, schedule: Schedule) -> str:
+    """The config as it ran (flags applied, checkpoints resolved), with the schedule: YAML specdec reads."""
+    data = cfg.to_dict()
+    data.pop("source")
+    data["speculation"]["schedule"] = dataclasses.asdict(schedule)
+    return f"# written by `specdec tune` from {cfg.source}\n" + yaml.safe_dump(data, sort_keys=False)
+
+
+def vllm_configs(cfg: Config, schedule: Schedule) -> tuple[dict[str, dict], str | None]:
+    """vLLM's speculative_config per schedule (greedy, sampled; one when they agree), or why vLLM has none."""
+    from specdec_cli.vllm_engine.settings import speculative_config
+
+    kinds = {kind: ranges for kind, ranges in dataclasses.asdict(schedule).items() if ranges is not None}
+    if len({str(r) for r in kinds.values()}) == 1:
+        kinds = {"all": next(iter(kinds.values()))}
+    try:
+        return {
+            kind: speculative_config(cfg.draft, longest_block(cfg), BatchSchedule.parse(ranges))
+            for kind, ranges in kinds.items()
+        }, None
+    except SpecdecError as exc:
+        return {}, str(exc)
+
+
+def finish(cfg, pair, settings, choices, probes, batch_runs, partial, run: records.Run) -> None:
+    schedule = tuned_schedule(choices)
+    vllm, no_vllm = vllm_configs(cfg, schedule)
+    table = tune_table(choices)
+    record = {
+        **records.header("tune", cfg, pair.describe()),
+        "partial": partial,
+        "settings": {
+            "batch_sizes": settings.batch_sizes,
+            "temperatures": settings.temperatures,
+            "sample": settings.sample,
+            "finalists": settings.finalists,
+            "budget_minutes": settings.budget_minutes,
+            "probe_tokens": PROBE_TOKENS,
+            "max_new_tokens": settings.plan.max_new_tokens,
+            "repeats": settings.plan.repeats,
+        },
+        "choices": [dataclasses.asdict(c) | {"chosen": c.chosen} for c in choices.values()],
+        "schedule": dataclasses.asdict(schedule),
+        "vllm_speculative_config": vllm,
+        "vllm_unavailable": no_vllm,
+        "probes": [
+            {
+                "temperature": t,
+                "batch_size": size,
+                "alone_tokens_per_second": p.alone_tokens_per_second,
+                "forward_seconds": p.forward_seconds,
+            }
+            for (t, size), p in probes.items()
+        ],
+        "batch_runs": batch_runs,
+    }
+    files = {"tuned.yaml": tuned_config(cfg, schedule)}
+    files |= {f"vllm-speculative-config-{kind}.json": records.dumps(c) + "\n" for kind, c in vllm.items()}
+    chart_files = charts.draw_tuning(record) if run.recording and choices else {}
+    tables = [table, schedule_report(schedule)]
+    files |= chart_files | {"report.md": markdown_document(record, tables, list(chart_files))}
+
+    def show() -> None:
+        display.stdout.print(rich_table(table))
+        display.stdout.print(rich_table(schedule_report(schedule)))
+        if no_vllm:
+            display.stdout.print(f"No vLLM speculative_config: {no_vllm}")
+        display.stdout.print(environment_caption(record["environment"]))
+
+    run.finish("tune", cfg.name, record, show, files)
+    if partial:
+        display.stderr.print("Stopped early: the choices hold what was measured (partial: true).")
+
+
+def tune_table(choices: dict[tuple[float, int], Choice]) -> Report:
+    """Batch size x temperature: the chosen draft tokens, predicted and measured speedup, the config's."""
+    rows = []
+    for (temperature, size), c in sorted(choices.items()):
+        chosen = c.chosen
+        rows.append(
+            [
+                str(size),
+                temperature_label(temperature),
+                "off" if chosen == 0 else str(chosen),
+                f"{c.predicted[chosen]:.2f}x",
+                f"{c.measured[chosen]:.2f}x" if chosen in c.measured else "n/a",
+                f"{c.measured[c.config_tokens]:.2f}x" if c.config_tokens in c.measured else "n/a",
+                f"{c.accepted_length[chosen]:.2f}" if c.accepted_length.get(chosen) else "n/a",
+            ]
+        )
+    return Report(
+        "Draft tokens per block by batch size (speedup over the target alone at that batch size)",
+        ["batch size", "temperature", "draft tokens", "predicted", "measured", "config's own", "acc len"],
+        rows,
+        "predicted: from the probes; measured: all prompts, this run; config's own: its drafting unchanged",
+    )
+
+
+def schedule_report(schedule: Schedule) -> Report:
+    """The schedule tune wrote, as ranges of batch sizes."""
+    rows = [
+        [kind, BatchSchedule.parse(ranges).describe()]
+        for kind, ranges in (("greedy", schedule.greedy), ("sampled", schedule.sampled))
+        if ranges is not None
+    ]
+    title = "speculation.schedule (tuned.yaml): draft tokens by batch size"
+    return Report(title, ["decoding", "batch sizes: draft tokens"], rows)

@@ -1,0 +1,166 @@
+"""`specdec tune`: its arithmetic on measured-looking numbers worked by hand, and the command end to end on
+the tiny pair (the choices it prints are the ones it measured, the config it writes runs as written)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from specdec_cli.bench.tuning import Choice, Probe, finalists, forward_at, predicted_speedup, schedule_ranges
+from specdec_cli.cli import app
+from specdec_cli.config import load_config
+from specdec_cli.decoding.metrics import StepRecord
+from specdec_cli.decoding.params import BatchSchedule, SamplingParams
+from specdec_cli.pair import load_pair
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize(
+    "chosen, ranges",
+    [
+        ({1: 3, 2: 3, 4: 2, 8: 0}, [[1, 3, 3], [4, 7, 2], [8, 8, 0]]),
+        ({2: 1, 8: 1}, [[1, 8, 1]]),  # equal neighbours merge; the first range starts at 1
+        ({1: 0}, [[1, 1, 0]]),
+    ],
+)
+def test_the_schedule_holds_each_choice_from_its_batch_size_to_the_next(chosen, ranges):
+    assert schedule_ranges(chosen) == ranges
+    schedule = BatchSchedule.parse(ranges)  # vLLM's form, which the config reads back
+    for size, tokens in chosen.items():
+        assert schedule.tokens(size) == tokens
+    assert schedule.tokens(1000) == chosen[max(chosen)]
+
+
+def test_finalists_are_the_target_alone_the_config_and_the_predicted_best():
+    predicted = {0: 1.0, 1: 1.3, 2: 1.5, 3: 1.4, 4: 1.1}
+    assert finalists(predicted, config_tokens=4, count=2) == [0, 2, 3, 4]
+    assert finalists(predicted, config_tokens=2, count=1) == [0, 2, 3]
+    assert finalists(predicted, config_tokens=4, count=0) == [0, 4]
+
+
+def test_the_measured_best_is_chosen_over_the_predicted():
+    choice = Choice(1, 0.0, {0: 1.0, 1: 1.2, 2: 1.6}, {0: 1.0, 1: 1.3, 2: 1.1}, {}, 2)
+    assert choice.chosen == 1
+    assert Choice(1, 0.0, {0: 1.0, 1: 1.2, 2: 1.6}, {}, {}, 2).chosen == 2  # nothing ran: the prediction
+    assert Choice(1, 0.0, {0: 1.0, 1: 0.9}, {0: 1.0, 1: 1.0}, {}, 1).chosen == 0  # a tie: fewer drafts
+
+
+def test_a_forward_between_two_timed_widths_is_interpolated():
+    timed = {1: 1.0, 2: 1.5, 3: 3.0}
+    assert forward_at(timed, 2) == 1.5
+    assert forward_at(timed, 2.5) == pytest.approx(2.25)
+    assert forward_at(timed, 3) == 3.0
+
+
+def test_the_prediction_of_shorter_blocks_worked_by_hand():
+    """Two rows, two blocks of the full length 2 (drafted 2, accepted 2, 1, 0, 2): shortening to 1 keeps
+    min(drafted, 1) drafts and min(accepted, 1) accepted ones."""
+    steps = [StepRecord(2, a, a + 1, draft_seconds=0.1, verify_seconds=0.3) for a in (2, 1, 0, 2)]
+    probe = Probe(2, alone_tokens_per_second=10.0, steps=steps, blocks=2, forward_seconds={1: 0.2, 2: 0.3, 3: 0.4})
+    # per block: drafting 0.2, verifying 0.6 of which the width-3 forward is 0.4: the loop's own 0.2
+    full = 2 * (1 + 5 / 4) / (0.4 + 0.2 + 0.2) / 10.0
+    assert predicted_speedup(probe, 2, steps) == pytest.approx(full)
+    one = 2 * (1 + 3 / 4) / (0.3 + 0.2 + 0.2 * 1 / 2) / 10.0
+    assert predicted_speedup(probe, 1, steps) == pytest.approx(one)
+    assert predicted_speedup(probe, 0, steps) == 1.0
+
+
+@pytest.fixture
+def prompts(tmp_path) -> str:
+    path = tmp_path / "prompts.txt"
+    path.write_text("Hello there\nOnce upon a time\nCount to ten\n")
+    return str(path)
+
+
+@pytest.fixture
+def tuned(write_config, prompts, tmp_path):
+    config = write_config({"speculation": {"num_draft_tokens": 3}})
+    run = runner.invoke(
+        app,
+        ["tune", "-c", str(config), "--json", "--sample", "2", "--max-new-tokens", "12"]
+        + ["--batch-sizes", "1,2", "--temperatures", "0,1", "--prompts", prompts, "--runs-dir", str(tmp_path / "runs")],
+    )
+    assert run.exit_code == 0, run.output
+    (folder,) = (tmp_path / "runs").iterdir()
+    return json.loads(run.stdout), folder
+
+
+def test_tune_keeps_the_measured_best_at_every_batch_size_and_temperature(tuned):
+    record, folder = tuned
+    assert not record["partial"]
+    assert {(c["batch_size"], c["temperature"]) for c in record["choices"]} == {(1, 0), (2, 0), (1, 1), (2, 1)}
+    for choice in record["choices"]:
+        measured = {int(k): v for k, v in choice["measured"].items()}
+        assert set(measured) >= {0, 3}  # the target alone and the config as it is ran beside the others
+        assert set(int(k) for k in choice["predicted"]) == {0, 1, 2, 3}
+        assert measured[choice["chosen"]] == max(measured.values())
+    greedy = {c["batch_size"]: c["chosen"] for c in record["choices"] if c["temperature"] == 0}
+    schedule = BatchSchedule.parse(record["schedule"]["greedy"])
+    assert {size: schedule.tokens(size) for size in greedy} == greedy
+    assert {p.name for p in folder.iterdir()} >= {"record.json", "tuned.yaml", "report.md", "chart.png"}
+
+
+def test_the_tuned_config_runs_as_written_and_stays_exact(tuned, tmp_path):
+    record, folder = tuned
+    cfg = load_config(str(folder / "tuned.yaml"))
+    assert cfg.speculation.schedule.greedy == record["schedule"]["greedy"]
+    pair = load_pair(cfg)
+    prompts = [pair.encode(p) for p in ("Hello there", "Once upon a time", "Count to ten")]
+    alone = pair.decoder(SamplingParams(), speculative=False).generate_batch(prompts, 12, seed=0)
+    tuned_rows = pair.decoder(SamplingParams()).generate_batch(prompts, 12, seed=0)
+    assert [r.token_ids for r in tuned_rows] == [r.token_ids for r in alone]
+
+
+def test_the_vllm_setting_is_written_where_vllm_has_the_draft(write_config, prompts):
+    config = write_config({"draft": {"ngram": {"max_n": 3, "min_n": 1}}, "speculation": {"num_draft_tokens": 3}})
+    run = runner.invoke(
+        app,
+        ["tune", "-c", str(config), "--json", "--no-record", "--sample", "1", "--max-new-tokens", "8"]
+        + ["--batch-sizes", "1,2", "--temperatures", "0", "--prompts", prompts, "--finalists", "0"],
+    )
+    assert run.exit_code == 0, run.output
+    record = json.loads(run.stdout)
+    (speculative,) = record["vllm_speculative_config"].values()
+    assert speculative["method"] == "ngram"
+    assert speculative["num_speculative_tokens_per_batch_size"] == record["schedule"]["greedy"]
+    assert record["vllm_unavailable"] is None
+
+
+def test_a_spent_budget_keeps_the_predictions(write_config, prompts):
+    config = write_config()
+    run = runner.invoke(
+        app,
+        ["tune", "-c", str(config), "--json", "--no-record", "--sample", "1", "--max-new-tokens", "8"]
+        + ["--batch-sizes", "1", "--temperatures", "0", "--prompts", prompts, "--budget-minutes", "0"],
+    )
+    assert run.exit_code == 0, run.output
+    record = json.loads(run.stdout)
+    assert record["partial"] and record["batch_runs"] == []
+    (choice,) = record["choices"]
+    assert choice["measured"] == {}
+    predicted = {int(k): v for k, v in choice["predicted"].items()}
+    assert choice["chosen"] == max(predicted, key=predicted.get)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--batch-sizes", "0,2"], "--batch-sizes must be >= 1"),
+        (["--temperatures", "-1"], "--temperatures must be finite numbers >= 0"),
+    ],
+)
+def test_bad_input_is_one_error_line(write_config, args, message):
+    config = write_config()
+    run = runner.invoke(app, ["tune", "-c", str(config), "--no-record", *args])
+    assert run.exit_code == 2
+    assert run.stderr.startswith(f"Error: {message}") and run.stderr.count("\n") == 1, run.stderr
+
+
+def test_a_tree_config_is_refused(write_config):
+    config = write_config({"speculation": {"tree": {"depth": 2, "max_nodes": 6}}})
+    run = runner.invoke(app, ["tune", "-c", str(config), "--no-record"])
+    assert run.exit_code == 2
+    assert run.stderr.startswith("Error: tune chooses a chain's draft tokens") and run.stderr.count("\n") == 1
