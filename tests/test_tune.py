@@ -8,7 +8,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from specdec_cli.bench.tuning import Choice, Probe, finalists, forward_at, predicted_speedup, schedule_ranges
+from specdec_cli.bench.tuning import Choice, Probe, finalists, predicted_speedup, schedule_ranges
 from specdec_cli.cli import app
 from specdec_cli.config import load_config
 from specdec_cli.decoding.metrics import StepRecord
@@ -36,9 +36,10 @@ def test_the_schedule_holds_each_choice_from_its_batch_size_to_the_next(chosen, 
 
 def test_finalists_are_the_target_alone_the_config_and_the_predicted_best():
     predicted = {0: 1.0, 1: 1.3, 2: 1.5, 3: 1.4, 4: 1.1}
-    assert finalists(predicted, config_tokens=4, count=2) == [0, 2, 3, 4]
-    assert finalists(predicted, config_tokens=2, count=1) == [0, 2, 3]
-    assert finalists(predicted, config_tokens=4, count=0) == [0, 4]
+    assert finalists(predicted, {4}, count=2) == [0, 2, 3, 4]
+    assert finalists(predicted, {2}, count=1) == [0, 2, 3]
+    assert finalists(predicted, {4}, count=0) == [0, 4]
+    assert finalists(predicted, {4, 1}, count=1) == [0, 1, 2, 4]
 
 
 def test_the_measured_best_is_chosen_over_the_predicted():
@@ -48,23 +49,12 @@ def test_the_measured_best_is_chosen_over_the_predicted():
     assert Choice(1, 0.0, {0: 1.0, 1: 0.9}, {0: 1.0, 1: 1.0}, {}, 1).chosen == 0  # a tie: fewer drafts
 
 
-def test_a_forward_between_two_timed_widths_is_interpolated():
-    timed = {1: 1.0, 2: 1.5, 3: 3.0}
-    assert forward_at(timed, 2) == 1.5
-    assert forward_at(timed, 2.5) == pytest.approx(2.25)
-    assert forward_at(timed, 3) == 3.0
-
-
 def test_the_prediction_of_shorter_blocks_worked_by_hand():
-    """Two rows, two blocks of the full length 2 (drafted 2, accepted 2, 1, 0, 2): shortening to 1 keeps
-    min(drafted, 1) drafts and min(accepted, 1) accepted ones."""
+    """Blocks of the full length 2 accepted 2, 1, 0 and 2 drafts: cut to 1 draft, they keep 1, 1, 0, 1."""
     steps = [StepRecord(2, a, a + 1, draft_seconds=0.1, verify_seconds=0.3) for a in (2, 1, 0, 2)]
-    probe = Probe(2, alone_tokens_per_second=10.0, steps=steps, blocks=2, forward_seconds={1: 0.2, 2: 0.3, 3: 0.4})
-    # per block: drafting 0.2, verifying 0.6 of which the width-3 forward is 0.4: the loop's own 0.2
-    full = 2 * (1 + 5 / 4) / (0.4 + 0.2 + 0.2) / 10.0
-    assert predicted_speedup(probe, 2, steps) == pytest.approx(full)
-    one = 2 * (1 + 3 / 4) / (0.3 + 0.2 + 0.2 * 1 / 2) / 10.0
-    assert predicted_speedup(probe, 1, steps) == pytest.approx(one)
+    probe = Probe(2, alone_tokens_per_second=10.0, block_seconds={1: 0.25, 2: 0.4}, rows_per_block={1: 2.0, 2: 1.5})
+    assert predicted_speedup(probe, 2, steps) == pytest.approx(1.5 * (1 + 5 / 4) / 0.4 / 10.0)
+    assert predicted_speedup(probe, 1, steps) == pytest.approx(2.0 * (1 + 3 / 4) / 0.25 / 10.0)
     assert predicted_speedup(probe, 0, steps) == 1.0
 
 
@@ -130,19 +120,21 @@ def test_the_vllm_setting_is_written_where_vllm_has_the_draft(write_config, prom
 
 
 def test_a_spent_budget_keeps_the_predictions(write_config, prompts):
+    """The full drafting's run and the probes always run (they predict); the budget stops the finalists."""
     config = write_config()
     run = runner.invoke(
         app,
         ["tune", "-c", str(config), "--json", "--no-record", "--sample", "1", "--max-new-tokens", "8"]
-        + ["--batch-sizes", "1", "--temperatures", "0", "--prompts", prompts, "--budget-minutes", "0"],
+        + ["--batch-sizes", "1,2", "--temperatures", "0", "--prompts", prompts, "--budget-minutes", "0"],
     )
     assert run.exit_code == 0, run.output
     record = json.loads(run.stdout)
-    assert record["partial"] and record["batch_runs"] == []
-    (choice,) = record["choices"]
-    assert choice["measured"] == {}
-    predicted = {int(k): v for k, v in choice["predicted"].items()}
-    assert choice["chosen"] == max(predicted, key=predicted.get)
+    assert record["partial"]
+    assert {(r["batch_size"], r["gamma"]) for r in record["batch_runs"]} == {(1, 3)}
+    for choice in record["choices"]:
+        assert choice["measured"] == {}  # the target alone never ran: nothing to set the full drafting against
+        predicted = {int(k): v for k, v in choice["predicted"].items()}
+        assert choice["chosen"] == max(predicted, key=predicted.get)
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,6 @@ import statistics
 import time
 from dataclasses import dataclass
 
-import torch
 import yaml
 
 from specdec_cli import display, records
@@ -24,12 +23,15 @@ from specdec_cli.bench.run import run_batch, run_batches
 from specdec_cli.bench.summary import summarize_batches
 from specdec_cli.bench.tuning import Choice, Probe, finalists, predicted_speedup, schedule_ranges
 from specdec_cli.config import Config, Schedule, longest_block
-from specdec_cli.decoding.cache import CachedModel
 from specdec_cli.decoding.metrics import StepRecord
 from specdec_cli.decoding.params import BatchSchedule
-from specdec_cli.decoding.timing import Clock
 from specdec_cli.errors import SpecdecError
 from specdec_cli.pair import Pair, load_pair
+
+
+class Stopped(Exception):
+    """The budget is spent, or Ctrl-C stopped a run: tune keeps what it measured."""
+
 
 PROBE_TOKENS = 32  # new tokens per probe row: enough blocks to time, short enough to probe every size
 WARMUP_TOKENS = 8
@@ -63,46 +65,21 @@ def batch_of(prompts: list[Prompt], size: int) -> list[Prompt]:
     return (prompts * math.ceil(size / len(prompts)))[: max(size, len(prompts))]
 
 
-@torch.inference_mode()
-def forward_seconds(target: CachedModel, size: int, widths: range, context: int, states: bool) -> dict[int, float]:
-    """One target forward of `size` rows by verification width, on a context of `context` tokens:
-    the median of five after two unmeasured."""
-    clock, vocab = Clock(target.device), target.vocab_size
-    generator = torch.Generator(device=target.device).manual_seed(0)
-    target.reset(context + max(widths) + 1, size)
-    target.forward(torch.randint(vocab, (size, context), device=target.device, generator=generator), logits="none")
-    timed = {}
-    for width in widths:
-        ids = torch.randint(vocab, (size, width), device=target.device, generator=generator)
-        times = []
-        for _ in range(7):
-            start = clock.mark()
-            target.forward(ids, hidden=states)
-            times.append(clock.seconds(start, clock.mark()))
-            target.rollback(width)
-        timed[width] = statistics.median(times[2:])
-    return timed
-
-
 def probe(pair: Pair, sample: list[Prompt], size: int, temperature: float, full: int, plan: Plan) -> Probe:
-    """A batch of `size` sample prompts, PROBE_TOKENS each, target alone and drafting `full` tokens,
-    after a short unmeasured batch of each; and the target's forward by width at this size."""
+    """A batch of `size` sample prompts, PROBE_TOKENS each, target alone and at every draft length up to
+    `full`, each after a short unmeasured batch."""
     group = batch_of(sample, size)[:size]
     short = dataclasses.replace(plan, max_new_tokens=PROBE_TOKENS)
     runs = {}
-    for tokens in (0, full):
+    for tokens in range(full + 1):
         mode = Mode(temperature, tokens)
         run_batch(pair, group, capped_generator(pair, mode, short, WARMUP_TOKENS), short, plan.seed)
         runs[tokens] = run_batch(pair, group, capped_generator(pair, mode, short, PROBE_TOKENS), short, plan.seed)
-    alone, spec = runs[0], runs[full]
-    context = round(statistics.fmean(len(pair.encode(p.turns[0])) for p in group)) + PROBE_TOKENS // 2
-    states = pair.drafter.reads_target_states
     return Probe(
         batch_size=size,
-        alone_tokens_per_second=alone["new_tokens"] / alone["decode_seconds"],
-        steps=[StepRecord(*s) for s in spec["steps"]],
-        blocks=spec["blocks"],
-        forward_seconds=forward_seconds(pair.target, size, range(1, full + 2), context, states),
+        alone_tokens_per_second=runs[0]["new_tokens"] / runs[0]["decode_seconds"],
+        block_seconds={g: r["decode_seconds"] / r["blocks"] for g, r in runs.items() if g},
+        rows_per_block={g: len(r["steps"]) / r["blocks"] for g, r in runs.items() if g},
     )
 
 
@@ -121,51 +98,58 @@ def check_tunable(cfg: Config) -> None:
 
 
 def tune(cfg: Config, prompts: list[Prompt], settings: TuneSettings, run: records.Run) -> None:
+    """Per temperature: the config's full drafting at the smallest batch size on every prompt (whose
+    acceptance predicts every shorter length), a probe per batch size, then the finalists of each size."""
     check_tunable(cfg)
     with display.stderr.status(f"Loading {cfg.target.describe()} and {cfg.draft.describe()}..."):
         pair = load_pair(cfg)
     full, plan, started = longest_block(cfg), settings.plan, time.monotonic()
     sample = prompts[:: max(1, len(prompts) // settings.sample)][: settings.sample]
-    keys = [(t, b) for t in settings.temperatures for b in settings.batch_sizes]
+    sizes = settings.batch_sizes
     choices: dict[tuple[float, int], Choice] = {}
     probes: dict[tuple[float, int], Probe] = {}
     batch_runs: list[dict] = []
-    partial = False
     with display.progress() as bar:
-        task = bar.add_task("probes", total=len(keys))
-        try:
-            for temperature, size in keys:
-                bar.update(task, description=f"probe: batch size {size}, {temperature_label(temperature)}")
-                probes[temperature, size] = probe(pair, sample, size, temperature, full, plan)
-                bar.advance(task)
-        except KeyboardInterrupt:
-            partial = True
-        for temperature in settings.temperatures:
-            measured = [p for (t, _), p in probes.items() if t == temperature]
-            acceptance = [s for p in measured for s in p.steps]
-            for p in measured:
-                predicted = {g: predicted_speedup(p, g, acceptance) for g in range(full + 1)}
-                own = config_tokens(cfg, p.batch_size, temperature)
-                choices[temperature, p.batch_size] = Choice(p.batch_size, temperature, predicted, {}, {}, own)
-        finals = [
-            (key, g)
-            for key in keys
-            if key in choices
-            for g in finalists(choices[key].predicted, choices[key].config_tokens, settings.finalists)
-        ]
-        task = bar.add_task("runs for real", total=len(finals))
-        for (temperature, size), g in finals:
-            if partial or budget_spent(started, settings.budget_minutes):
-                partial = True
-                break
-            rule = cfg.speculation.verification if g and temperature > 0 else "token"
-            mode = Mode(temperature, g, verification=rule)
+        planned = len(settings.temperatures) * len(sizes) * (2 + settings.finalists + 1)
+        task = bar.add_task("tune", total=planned)
+
+        def measure(size: int, temperature: float, tokens: int, budgeted: bool = True) -> None:
+            """Run one finalist on every prompt; Stopped once the budget is spent (the runs that predict
+            are not `budgeted`) or on Ctrl-C."""
+            if budgeted and budget_spent(started, settings.budget_minutes):
+                raise Stopped
+            rule = cfg.speculation.verification if tokens and temperature > 0 else "token"
+            mode = Mode(temperature, tokens, verification=rule)
             bar.update(task, description=f"batch size {size}: {mode.label}")
-            done, partial = run_batches(
+            done, stopped = run_batches(
                 pair, batch_of(prompts, size), plan, batched=[(size, mode)], make=capped_generator
             )
-            batch_runs += done
+            batch_runs.extend(done)
             bar.advance(task)
+            if stopped:
+                raise Stopped
+
+        try:
+            for temperature in settings.temperatures:
+                measure(sizes[0], temperature, full, budgeted=False)
+                acceptance = [StepRecord(*s) for r in batch_runs[-1:] for rep in r["repeats"] for s in rep["steps"]]
+                for size in sizes:
+                    bar.update(task, description=f"probe: batch size {size}, {temperature_label(temperature)}")
+                    probes[temperature, size] = probe(pair, sample, size, temperature, full, plan)
+                    bar.advance(task)
+                    predicted = {
+                        g: predicted_speedup(probes[temperature, size], g, acceptance) for g in range(full + 1)
+                    }
+                    own = config_tokens(cfg, size, temperature)
+                    choices[temperature, size] = Choice(size, temperature, predicted, {}, {}, own)
+                for size in sizes:
+                    choice = choices[temperature, size]
+                    for g in finalists(choice.predicted, {full, choice.config_tokens}, settings.finalists):
+                        if (size, g) != (sizes[0], full):  # that one ran first
+                            measure(size, temperature, g)
+            partial = False
+        except (KeyboardInterrupt, Stopped):
+            partial = True
     rows = summarize_batches([], batch_runs)
     for key, choice in choices.items():
         measured = [r for r in rows if (r["temperature"], r["batch_size"]) == key]
@@ -242,7 +226,8 @@ def finish(cfg, pair, settings, choices, probes, batch_runs, partial, run: recor
                 "temperature": t,
                 "batch_size": size,
                 "alone_tokens_per_second": p.alone_tokens_per_second,
-                "forward_seconds": p.forward_seconds,
+                "block_seconds": p.block_seconds,
+                "rows_per_block": p.rows_per_block,
             }
             for (t, size), p in probes.items()
         ],
