@@ -21,7 +21,7 @@ from specdec_cli.bench.prompts import Prompt
 from specdec_cli.bench.report import Report, environment_caption, markdown_document, rich_table, temperature_label
 from specdec_cli.bench.run import run_batch, run_batches
 from specdec_cli.bench.summary import summarize_batches
-from specdec_cli.bench.tuning import Choice, Probe, finalists, predicted_speedup, schedule_ranges
+from specdec_cli.bench.tuning import Choice, Probe, finalists, mean_accepted, predicted_speedup, schedule_ranges
 from specdec_cli.config import Config, Schedule, longest_block
 from specdec_cli.decoding.metrics import StepRecord
 from specdec_cli.decoding.params import BatchSchedule
@@ -108,14 +108,15 @@ def tune(cfg: Config, prompts: list[Prompt], settings: TuneSettings, run: record
     sizes = settings.batch_sizes
     choices: dict[tuple[float, int], Choice] = {}
     probes: dict[tuple[float, int], Probe] = {}
+    acceptance: dict[float, list[StepRecord]] = {}
     batch_runs: list[dict] = []
     with display.progress() as bar:
         planned = len(settings.temperatures) * len(sizes) * (2 + settings.finalists + 1)
         task = bar.add_task("tune", total=planned)
 
-        def measure(size: int, temperature: float, tokens: int, budgeted: bool = True) -> None:
-            """Run one finalist on every prompt; Stopped once the budget is spent (the runs that predict
-            are not `budgeted`) or on Ctrl-C."""
+        def measure(size: int, temperature: float, tokens: int, budgeted: bool = True) -> list[dict]:
+            """Run one finalist on every prompt: its batches' runs. Stopped once the budget is spent (the
+            run that predicts is not `budgeted`) or on Ctrl-C."""
             if budgeted and budget_spent(started, settings.budget_minutes):
                 raise Stopped
             rule = cfg.speculation.verification if tokens and temperature > 0 else "token"
@@ -128,18 +129,18 @@ def tune(cfg: Config, prompts: list[Prompt], settings: TuneSettings, run: record
             bar.advance(task)
             if stopped:
                 raise Stopped
+            return done
 
         try:
             for temperature in settings.temperatures:
-                measure(sizes[0], temperature, full, budgeted=False)
-                acceptance = [StepRecord(*s) for r in batch_runs[-1:] for rep in r["repeats"] for s in rep["steps"]]
+                full_runs = measure(sizes[0], temperature, full, budgeted=False)
+                steps = [StepRecord(*s) for r in full_runs for rep in r["repeats"] for s in rep["steps"]]
+                acceptance[temperature] = steps
                 for size in sizes:
                     bar.update(task, description=f"probe: batch size {size}, {temperature_label(temperature)}")
                     probes[temperature, size] = probe(pair, sample, size, temperature, full, plan)
                     bar.advance(task)
-                    predicted = {
-                        g: predicted_speedup(probes[temperature, size], g, acceptance) for g in range(full + 1)
-                    }
+                    predicted = {g: predicted_speedup(probes[temperature, size], g, steps) for g in range(full + 1)}
                     own = config_tokens(cfg, size, temperature)
                     choices[temperature, size] = Choice(size, temperature, predicted, {}, {}, own)
                 for size in sizes:
@@ -155,7 +156,7 @@ def tune(cfg: Config, prompts: list[Prompt], settings: TuneSettings, run: record
         measured = [r for r in rows if (r["temperature"], r["batch_size"]) == key]
         choice.measured = {r["gamma"]: r["speedup"][0] for r in measured} | ({0: 1.0} if measured else {})
         choice.accepted_length = {r["gamma"]: r["mean_accepted_length"] for r in measured}
-    finish(cfg, pair, settings, choices, probes, batch_runs, partial, run)
+    finish(cfg, pair, settings, choices, probes, acceptance, batch_runs, partial, run)
 
 
 def budget_spent(started: float, budget_minutes: float | None) -> bool:
@@ -200,7 +201,7 @@ def vllm_configs(cfg: Config, schedule: Schedule) -> tuple[dict[str, dict], str 
         return {}, str(exc)
 
 
-def finish(cfg, pair, settings, choices, probes, batch_runs, partial, run: records.Run) -> None:
+def finish(cfg, pair, settings, choices, probes, acceptance, batch_runs, partial, run: records.Run) -> None:
     schedule = tuned_schedule(choices)
     vllm, no_vllm = vllm_configs(cfg, schedule)
     table = tune_table(choices)
@@ -221,6 +222,15 @@ def finish(cfg, pair, settings, choices, probes, batch_runs, partial, run: recor
         "schedule": dataclasses.asdict(schedule),
         "vllm_speculative_config": vllm,
         "vllm_unavailable": no_vllm,
+        # per temperature, the full drafting's blocks at the smallest batch size, which predict every length
+        "acceptance": [
+            {
+                "temperature": t,
+                "blocks": len(steps),
+                "mean_accepted": {g: mean_accepted(steps, g) for g in range(longest_block(cfg) + 1)},
+            }
+            for t, steps in acceptance.items()
+        ],
         "probes": [
             {
                 "temperature": t,
