@@ -116,15 +116,20 @@ def test_the_tuned_config_runs_as_written_and_stays_exact(tuned, tmp_path):
     assert [r.token_ids for r in tuned_rows] == [r.token_ids for r in alone]
 
 
-def test_the_vllm_setting_is_written_where_vllm_has_the_draft(write_config, prompts):
-    config = write_config({"draft": {"ngram": {"max_n": 3, "min_n": 1}}, "speculation": {"num_draft_tokens": 3}})
+def greedy_tune(config, prompts: str, *args: str) -> dict:
+    """`specdec tune --json` of `config`, greedy at batch sizes 1 and 2, short: its record."""
     run = runner.invoke(
         app,
         ["tune", "-c", str(config), "--json", "--no-record", "--sample", "1", "--max-new-tokens", "8"]
-        + ["--batch-sizes", "1,2", "--temperatures", "0", "--prompts", prompts, "--finalists", "0"],
+        + ["--batch-sizes", "1,2", "--temperatures", "0", "--prompts", prompts, *args],
     )
     assert run.exit_code == 0, run.output
-    record = json.loads(run.stdout)
+    return json.loads(run.stdout)
+
+
+def test_the_vllm_setting_is_written_where_vllm_has_the_draft(write_config, prompts):
+    config = write_config({"draft": {"ngram": {"max_n": 3, "min_n": 1}}, "speculation": {"num_draft_tokens": 3}})
+    record = greedy_tune(config, prompts, "--finalists", "0")
     (speculative,) = record["vllm_speculative_config"].values()
     assert speculative["method"] == "ngram"
     assert speculative["num_speculative_tokens_per_batch_size"] == record["schedule"]["greedy"]
@@ -133,14 +138,7 @@ def test_the_vllm_setting_is_written_where_vllm_has_the_draft(write_config, prom
 
 def test_a_spent_budget_keeps_the_predictions(write_config, prompts):
     """The full drafting's run and the probes always run (they predict); the budget stops the finalists."""
-    config = write_config()
-    run = runner.invoke(
-        app,
-        ["tune", "-c", str(config), "--json", "--no-record", "--sample", "1", "--max-new-tokens", "8"]
-        + ["--batch-sizes", "1,2", "--temperatures", "0", "--prompts", prompts, "--budget-minutes", "0"],
-    )
-    assert run.exit_code == 0, run.output
-    record = json.loads(run.stdout)
+    record = greedy_tune(write_config(), prompts, "--budget-minutes", "0")
     assert record["partial"]
     assert {(r["batch_size"], r["gamma"]) for r in record["batch_runs"]} == {(1, 3)}
     for choice in record["choices"]:
