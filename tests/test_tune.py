@@ -87,16 +87,16 @@ def test_tune_keeps_the_measured_best_at_every_batch_size_and_temperature(tuned)
         assert set(measured) >= {0, 3}  # the target alone and the config as it is ran beside the others
         assert set(int(k) for k in choice["predicted"]) == {0, 1, 2, 3}
         assert measured[choice["chosen"]] == max(measured.values())
-    # the acceptance that predicts is the full drafting's on every prompt at the smallest batch size
+    # the acceptance that predicts is the full drafting's on every prompt at that batch size
+    assert {(a["temperature"], a["batch_size"]) for a in record["acceptance"]} == {(0, 1), (0, 2), (1, 1), (1, 2)}
     for seen in record["acceptance"]:
-        full = [
-            s
+        runs = [
+            r
             for r in record["batch_runs"]
-            for rep in r["repeats"]
-            for s in rep["steps"]
-            if (r["batch_size"], r["gamma"], r["temperature"]) == (1, 3, seen["temperature"])
+            if (r["batch_size"], r["gamma"], r["temperature"]) == (seen["batch_size"], 3, seen["temperature"])
         ]
-        assert len({p for r in record["batch_runs"] if r["batch_size"] == 1 for p in r["prompt_ids"]}) == 3
+        assert len({p for r in runs for p in r["prompt_ids"]}) == 3
+        full = [s for r in runs for rep in r["repeats"] for s in rep["steps"]]
         assert seen["blocks"] == len(full)
         assert seen["mean_accepted"]["3"] == pytest.approx(sum(s[1] for s in full) / len(full))
     greedy = {c["batch_size"]: c["chosen"] for c in record["choices"] if c["temperature"] == 0}

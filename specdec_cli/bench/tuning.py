@@ -1,13 +1,13 @@
 """`specdec tune`'s arithmetic: a speedup predicted for every draft length a schedule can give, from
-the config's full drafting run on every prompt and short probes at each batch size, and the choice
+the config's full drafting run on every prompt and a short probe at the same batch size, and the choice
 among the lengths then run for real.
 
 Cutting every block to g draft tokens keeps each block's first min(drafted, g) drafts and
 min(accepted, g) of its accepted ones (a chain's acceptance is decided token by token, so its prefix is
 accepted as it would be alone), so one run of the full drafting gives the acceptance of every shorter
-length on all the prompts. A probe decodes a batch of a few prompts for a few tokens at every length,
-which times a block of each as the loop runs it: its verification as wide as its rows' drafts, the
-drafting, and the loop's own work."""
+length on all the prompts. A probe decodes a few prompts for a few tokens at every length, which times
+a block of each as the loop runs it: its verification as wide as its rows' drafts, the drafting, and
+the loop's own work."""
 
 from __future__ import annotations
 
@@ -35,8 +35,7 @@ def mean_accepted(steps: list[StepRecord], tokens: int) -> float:
 
 def predicted_speedup(probe: Probe, tokens: int, acceptance: list[StepRecord]) -> float:
     """Tokens/s of blocks cut to `tokens` drafts over the target alone's, at the probe's batch size.
-    `acceptance`: the steps of a full-drafting run, cut to `tokens` (acceptance does not depend on the
-    batch)."""
+    `acceptance`: the steps of a full-drafting run at that batch size, cut to `tokens`."""
     if tokens == 0:
         return 1.0
     tokens_per_block = probe.rows_per_block[tokens] * (1 + mean_accepted(acceptance, tokens))

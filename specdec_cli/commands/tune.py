@@ -34,6 +34,7 @@ class Stopped(Exception):
 
 
 PROBE_TOKENS = 32  # new tokens per probe row: enough blocks to time, short enough to probe every size
+PROBED = ("new_tokens", "decode_seconds", "blocks", "steps")  # a probe's sums over its batches
 WARMUP_TOKENS = 8
 
 
@@ -65,22 +66,32 @@ def batch_of(prompts: list[Prompt], size: int) -> list[Prompt]:
     return (prompts * math.ceil(size / len(prompts)))[: max(size, len(prompts))]
 
 
-def probe(pair: Pair, sample: list[Prompt], size: int, temperature: float, full: int, plan: Plan) -> Probe:
-    """A batch of `size` sample prompts, PROBE_TOKENS each, target alone and at every draft length up to
-    `full`, each after a short unmeasured batch."""
-    group = batch_of(sample, size)[:size]
+def probe(pair: Pair, prompts: list[Prompt], size: int, temperature: float, full: int, plan: Plan) -> Probe:
+    """`prompts` in batches of `size`, PROBE_TOKENS each, target alone and at every draft length up to
+    `full`, each length after a short unmeasured batch."""
     short = dataclasses.replace(plan, max_new_tokens=PROBE_TOKENS)
+    batches = [prompts[start : start + size] for start in range(0, len(prompts), size)]
     runs = {}
     for tokens in range(full + 1):
         mode = Mode(temperature, tokens)
-        run_batch(pair, group, capped_generator(pair, mode, short, WARMUP_TOKENS), short, plan.seed)
-        runs[tokens] = run_batch(pair, group, capped_generator(pair, mode, short, PROBE_TOKENS), short, plan.seed)
+        run_batch(pair, batches[0], capped_generator(pair, mode, short, WARMUP_TOKENS), short, plan.seed)
+        generate = capped_generator(pair, mode, short, PROBE_TOKENS)
+        done = [run_batch(pair, batch, generate, short, plan.seed) for batch in batches]
+        runs[tokens] = {key: sum(len(r[key]) if key == "steps" else r[key] for r in done) for key in PROBED}
     return Probe(
         batch_size=size,
         alone_tokens_per_second=runs[0]["new_tokens"] / runs[0]["decode_seconds"],
         block_seconds={g: r["decode_seconds"] / r["blocks"] for g, r in runs.items() if g},
-        rows_per_block={g: len(r["steps"]) / r["blocks"] for g, r in runs.items() if g},
+        rows_per_block={g: r["steps"] / r["blocks"] for g, r in runs.items() if g},
     )
+
+
+def probe_prompts(prompts: list[Prompt], size: int, sample: int) -> list[Prompt]:
+    """Whole batches of `size` holding at least `sample` prompts, spread over the set (repeated where
+    the set is smaller)."""
+    count = size * math.ceil(sample / size)
+    spread = prompts[:: max(1, len(prompts) // count)][:count]
+    return batch_of(spread, count)[:count]
 
 
 def config_tokens(cfg: Config, size: int, temperature: float) -> int:
@@ -98,24 +109,22 @@ def check_tunable(cfg: Config) -> None:
 
 
 def tune(cfg: Config, prompts: list[Prompt], settings: TuneSettings, run: records.Run) -> None:
-    """Per temperature: the config's full drafting at the smallest batch size on every prompt (whose
-    acceptance predicts every shorter length), a probe per batch size, then the finalists of each size."""
+    """Per temperature and batch size: the config's full drafting on every prompt (its acceptance, cut
+    short, predicts every shorter length's), a probe, then the predicted best lengths and the target alone."""
     check_tunable(cfg)
     with display.stderr.status(f"Loading {cfg.target.describe()} and {cfg.draft.describe()}..."):
         pair = load_pair(cfg)
     full, plan, started = longest_block(cfg), settings.plan, time.monotonic()
-    sample = prompts[:: max(1, len(prompts) // settings.sample)][: settings.sample]
-    sizes = settings.batch_sizes
     choices: dict[tuple[float, int], Choice] = {}
     probes: dict[tuple[float, int], Probe] = {}
-    acceptance: dict[float, list[StepRecord]] = {}
+    acceptance: dict[tuple[float, int], list[StepRecord]] = {}
     batch_runs: list[dict] = []
     with display.progress() as bar:
-        planned = len(settings.temperatures) * len(sizes) * (2 + settings.finalists + 1)
-        task = bar.add_task("tune", total=planned)
+        keys = [(t, size) for t in settings.temperatures for size in settings.batch_sizes]
+        task = bar.add_task("tune", total=len(keys) * (3 + settings.finalists))
 
         def measure(size: int, temperature: float, tokens: int, budgeted: bool = True) -> list[dict]:
-            """Run one finalist on every prompt: its batches' runs. Stopped once the budget is spent (the
+            """Run one length on every prompt: its batches' runs. Stopped once the budget is spent (the
             run that predicts is not `budgeted`) or on Ctrl-C."""
             if budgeted and budget_spent(started, settings.budget_minutes):
                 raise Stopped
@@ -132,22 +141,19 @@ def tune(cfg: Config, prompts: list[Prompt], settings: TuneSettings, run: record
             return done
 
         try:
-            for temperature in settings.temperatures:
-                full_runs = measure(sizes[0], temperature, full, budgeted=False)
+            for key in keys:
+                temperature, size = key
+                full_runs = measure(size, temperature, full, budgeted=False)
                 steps = [StepRecord(*s) for r in full_runs for rep in r["repeats"] for s in rep["steps"]]
-                acceptance[temperature] = steps
-                for size in sizes:
-                    bar.update(task, description=f"probe: batch size {size}, {temperature_label(temperature)}")
-                    probes[temperature, size] = probe(pair, sample, size, temperature, full, plan)
-                    bar.advance(task)
-                    predicted = {g: predicted_speedup(probes[temperature, size], g, steps) for g in range(full + 1)}
-                    own = config_tokens(cfg, size, temperature)
-                    choices[temperature, size] = Choice(size, temperature, predicted, {}, {}, own)
-                for size in sizes:
-                    choice = choices[temperature, size]
-                    for g in finalists(choice.predicted, {full, choice.config_tokens}, settings.finalists):
-                        if (size, g) != (sizes[0], full):  # that one ran first
-                            measure(size, temperature, g)
+                acceptance[key] = steps
+                bar.update(task, description=f"probe: batch size {size}, {temperature_label(temperature)}")
+                probes[key] = probe(pair, probe_prompts(prompts, size, settings.sample), size, temperature, full, plan)
+                bar.advance(task)
+                predicted = {g: predicted_speedup(probes[key], g, steps) for g in range(full + 1)}
+                choices[key] = Choice(size, temperature, predicted, {}, {}, config_tokens(cfg, size, temperature))
+                for g in finalists(predicted, {full, choices[key].config_tokens}, settings.finalists):
+                    if g != full:  # that one ran first
+                        measure(size, temperature, g)
             partial = False
         except (KeyboardInterrupt, Stopped):
             partial = True
@@ -222,14 +228,15 @@ def finish(cfg, pair, settings, choices, probes, acceptance, batch_runs, partial
         "schedule": dataclasses.asdict(schedule),
         "vllm_speculative_config": vllm,
         "vllm_unavailable": no_vllm,
-        # per temperature, the full drafting's blocks at the smallest batch size, which predict every length
+        # per temperature and batch size, the full drafting's blocks, which predict every length
         "acceptance": [
             {
                 "temperature": t,
+                "batch_size": size,
                 "blocks": len(steps),
                 "mean_accepted": {g: mean_accepted(steps, g) for g in range(longest_block(cfg) + 1)},
             }
-            for t, steps in acceptance.items()
+            for (t, size), steps in acceptance.items()
         ],
         "probes": [
             {
