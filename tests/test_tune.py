@@ -136,6 +136,16 @@ def test_the_vllm_setting_is_written_where_vllm_has_the_draft(write_config, prom
     assert record["vllm_unavailable"] is None
 
 
+def test_a_config_with_a_schedule_runs_its_own_length_and_keeps_what_was_not_tuned(write_config, prompts):
+    schedule = {"greedy": [[1, 4, 2]], "sampled": [[1, 1, 1], [2, 4, 0]]}
+    record = greedy_tune(write_config({"speculation": {"num_draft_tokens": 3, "schedule": schedule}}), prompts)
+    for choice in record["choices"]:
+        assert choice["config_tokens"] == 2
+        assert {"0", "2", "3"} <= set(choice["measured"])  # alone, the config's own, the full drafting
+    assert record["schedule"]["sampled"] == schedule["sampled"]  # only greedy was tuned
+    assert set(record["vllm_speculative_config"]) == {"greedy", "sampled"}
+
+
 def test_a_spent_budget_keeps_the_predictions(write_config, prompts):
     """The full drafting's run and the probes always run (they predict); the budget stops the finalists."""
     record = greedy_tune(write_config(), prompts, "--budget-minutes", "0")

@@ -169,17 +169,20 @@ def budget_spent(started: float, budget_minutes: float | None) -> bool:
     return budget_minutes is not None and time.monotonic() - started > 60 * budget_minutes
 
 
-def tuned_schedule(choices: dict[tuple[float, int], Choice]) -> Schedule:
+def tuned_schedule(choices: dict[tuple[float, int], Choice], before: Schedule | None) -> Schedule:
     """Greedy ranges from the greedy choices; sampled ones from the length measured best on average over
-    the sampled temperatures (one schedule serves them all)."""
+    the sampled temperatures (one schedule serves them all); the config's own (`before`) where none was
+    tuned."""
     greedy = {size: c.chosen for (t, size), c in choices.items() if t == 0}
     sampled: dict[int, int] = {}
     for size in sorted({size for (t, size) in choices if t > 0}):
         tables = [c.measured or c.predicted for (t, s), c in choices.items() if t > 0 and s == size]
         common = set.intersection(*(set(table) for table in tables))
         sampled[size] = max(sorted(common), key=lambda g: statistics.fmean(table[g] for table in tables))
+    before = before or Schedule()
     return Schedule(
-        greedy=schedule_ranges(greedy) if greedy else None, sampled=schedule_ranges(sampled) if sampled else None
+        greedy=schedule_ranges(greedy) if greedy else before.greedy,
+        sampled=schedule_ranges(sampled) if sampled else before.sampled,
     )
 
 
@@ -196,8 +199,8 @@ def vllm_configs(cfg: Config, schedule: Schedule) -> tuple[dict[str, dict], str 
     from specdec_cli.vllm_engine.settings import speculative_config
 
     kinds = {kind: ranges for kind, ranges in dataclasses.asdict(schedule).items() if ranges is not None}
-    if len({str(r) for r in kinds.values()}) == 1:
-        kinds = {"all": next(iter(kinds.values()))}
+    if len(kinds) == 2 and schedule.greedy == schedule.sampled:
+        kinds = {"all": schedule.greedy}
     try:
         return {
             kind: speculative_config(cfg.draft, longest_block(cfg), BatchSchedule.parse(ranges))
@@ -208,7 +211,7 @@ def vllm_configs(cfg: Config, schedule: Schedule) -> tuple[dict[str, dict], str 
 
 
 def finish(cfg, pair, settings, choices, probes, acceptance, batch_runs, partial, run: records.Run) -> None:
-    schedule = tuned_schedule(choices)
+    schedule = tuned_schedule(choices, cfg.speculation.schedule)
     vllm, no_vllm = vllm_configs(cfg, schedule)
     table = tune_table(choices)
     record = {
