@@ -316,7 +316,7 @@ def tune(
     limit: LimitOpt = None,
     batch_sizes: Annotated[str, typer.Option(help="Batch sizes to tune for, e.g. 1,2,4,8,16.")] = "1,2,4,8",
     temperatures: Annotated[str, typer.Option(help="Temperatures to tune for (0 is greedy).")] = "0,1",
-    sample: Annotated[int, typer.Option(min=1, help="Prompts the short probes decode.")] = 4,
+    sample: Annotated[int, typer.Option(min=1, help="Prompts (at least) in each batch size's short probe.")] = 4,
     finalists: Annotated[
         int,
         typer.Option(
@@ -324,7 +324,10 @@ def tune(
         ),
     ] = 2,
     budget_minutes: Annotated[
-        Optional[float], typer.Option(help="Stop starting runs after this long; what was measured is kept.")
+        Optional[float],
+        typer.Option(
+            help="Stop starting finalists after this long (the runs that predict always run); keep what was measured."
+        ),
     ] = None,
     max_new_tokens: MaxNewOpt = None,
     ignore_eos: IgnoreEosOpt = None,
@@ -337,11 +340,11 @@ def tune(
     runs_dir: RunsDirOpt = None,
     record: RecordOpt = True,
 ) -> None:
-    """Find the draft tokens per block that decode fastest at each batch size and temperature: short probes
-    predict every length's speedup, the best few run for real on all the prompts beside the target alone
-    and the config as it is, and the measured best is kept. Writes runs/<time>-tune-<name>/ with tuned.yaml
-    (the config with speculation.schedule), vLLM's speculative_config where vLLM has the draft, report.md
-    and a chart."""
+    """Find the draft tokens per block that decode fastest at each batch size and temperature: the config's
+    full drafting on every prompt and a short probe predict every shorter length's speedup, the best few run
+    for real beside the target alone and the config as it is, and the measured best is kept. Writes
+    runs/<time>-tune-<name>/ with tuned.yaml (the config with speculation.schedule), vLLM's
+    speculative_config where vLLM has the draft, report.md and a chart."""
     cfg = configure(
         config,
         sampling__seed=seed,
