@@ -51,7 +51,7 @@ class Choice:
     predicted: dict[int, float]  # draft tokens -> predicted speedup
     measured: dict[int, float]  # draft tokens -> measured speedup (finalists; 0 is the target alone)
     accepted_length: dict[int, float | None]  # draft tokens -> measured mean accepted length
-    config_tokens: int  # the config's own drafting (its longest block)
+    config_tokens: int  # what the config as it is drafts at this batch size (its schedule's, else its longest block)
 
     @property
     def chosen(self) -> int:

@@ -42,7 +42,7 @@ WARMUP_TOKENS = 8
 class TuneSettings:
     batch_sizes: list[int]
     temperatures: list[float]
-    sample: int  # prompts the probes decode
+    sample: int  # at least this many prompts in each batch size's probe
     finalists: int  # predicted best lengths run for real, besides the target alone and the config's own
     budget_minutes: float | None
     plan: Plan  # max_new_tokens, repeats, seed, sampling settings of the runs for real
