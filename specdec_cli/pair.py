@@ -68,6 +68,7 @@ class Pair:
     dtype: torch.dtype
     draft_description: str | None = None  # the draft's format and the target states it reads
     lookup: ContextDrafter | None = None  # prompt lookup or suffix decoding ahead of the drafter
+    causal_draft: PreTrainedModel | None = None  # the draft, where it is a causal LM drafting from tokens alone
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -184,7 +185,7 @@ def load_pair(config: Config) -> Pair:
     graphs = runtime.cuda_graphs != "off" and device.type == "cuda"
     model, tokenizer = load_checkpoint(config.target, device, dtype)
     vocab_size = model.get_output_embeddings().out_features
-    state_layers, description, lookup = LAST, None, None
+    state_layers, description, lookup, causal_draft = LAST, None, None, None
     threshold = config.speculation.confidence_threshold
     if config.draft.ngram is not None:
         drafter = NgramDrafter(config.draft.ngram.max_n, config.draft.ngram.min_n, vocab_size, device)
@@ -198,6 +199,7 @@ def load_pair(config: Config) -> Pair:
             check_tokenizers(tokenizer, draft_tokenizer)
         kind = getattr(draft_model.config, DRAFT_FORMAT, None)
         if kind is None:  # a causal LM drafts from tokens alone
+            causal_draft = draft_model
             drafting = Drafting(
                 ModelDrafter(CachedModel(draft_model, vocab_size, graphs=graphs), threshold), LAST, "reads tokens only"
             )
@@ -215,4 +217,4 @@ def load_pair(config: Config) -> Pair:
             "or EAGLE draft): this draft proposes its block at once"
         )
     target = CachedModel(model, vocab_size, state_layers, graphs)
-    return Pair(config, tokenizer, target, drafter, device, dtype, description, lookup)
+    return Pair(config, tokenizer, target, drafter, device, dtype, description, lookup, causal_draft)

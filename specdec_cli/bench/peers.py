@@ -21,23 +21,20 @@ from specdec_cli.bench.report import LOOKUP_NOTE, PEER_FAIRNESS
 from specdec_cli.config import NgramSettings
 from specdec_cli.decoding.engine import GenerationResult
 from specdec_cli.decoding.params import SamplingParams
-from specdec_cli.methods.model import ModelDrafter
-from specdec_cli.methods.ngram import NgramDrafter
 from specdec_cli.pair import Pair
 
 
 def hf_drafting(pair: Pair) -> tuple[str, str | None]:
     """The hf peer's speculative engine for this pair, and why it is not the config's drafter (None
     when it is)."""
-    drafter = pair.drafter
-    if isinstance(drafter, NgramDrafter):
+    if pair.config.draft.ngram is not None:
         return HF_LOOKUP, None
     if pair.lookup is not None:
         why = "it has no counterpart of specdec's prompt lookup ahead of a draft"
-    elif isinstance(drafter, ModelDrafter):
+    elif pair.causal_draft is not None:
         # transformers compares the configs' vocab_size and then wants two tokenizers (another algorithm)
         target_rows, draft_rows = (
-            m.config.get_text_config().vocab_size for m in (pair.target.model, drafter.model.model)
+            m.config.get_text_config().vocab_size for m in (pair.target.model, pair.causal_draft)
         )
         if target_rows == draft_rows:
             return HF_ASSISTED, None
@@ -45,10 +42,10 @@ def hf_drafting(pair: Pair) -> tuple[str, str | None]:
             f"the draft's LM head has {draft_rows} rows and the target's {target_rows} (specdec pads or cuts "
             f"the draft's logits, transformers refuses)"
         )
-    elif drafter.reads_target_states:
+    elif pair.drafter.reads_target_states:
         why = "the draft reads the target's hidden states"  # EAGLE-style, Medusa, DFlash
     else:
-        why = f"it has no counterpart of specdec's {type(drafter).__name__}"
+        why = f"it has no counterpart of specdec's {pair.config.draft.describe()}"
     return HF_LOOKUP, (
         f"transformers' assisted generation cannot run this draft: {why}; the hf peer runs "
         f"plain generate() and transformers' prompt lookup instead."
@@ -101,10 +98,10 @@ def hf_generator(
     settings = plain_settings(pair, params, max_new_tokens, ignore_eos)
     configs, extra = {model: GenerationConfig()}, {}
     if gamma and engine == HF_LOOKUP:
-        max_n = pair.drafter.max_n if isinstance(pair.drafter, NgramDrafter) else NgramSettings().max_n
+        max_n = (pair.config.draft.ngram or NgramSettings()).max_n
         settings.update(prompt_lookup_num_tokens=gamma, max_matching_ngram_size=max_n)
     elif gamma and engine == HF_ASSISTED:
-        assistant = pair.drafter.model.model
+        assistant = pair.causal_draft
         # the assistant's knobs come from its own generation config: always gamma tokens, never stop early
         configs[assistant] = GenerationConfig(
             num_assistant_tokens=gamma, num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0
