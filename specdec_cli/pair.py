@@ -18,8 +18,8 @@ from specdec_cli.decoding.engine import SpeculativeDecoder
 from specdec_cli.decoding.params import SamplingParams, TreeShape
 from specdec_cli.decoding.verification import chain_rule
 from specdec_cli.errors import SpecdecError
-from specdec_cli.loading import decode_matmul
 from specdec_cli.loading.checkpoints import load_model
+from specdec_cli.loading.decode_matmul import PROCESS_CHOICE
 from specdec_cli.loading.draft_folder import Drafting
 from specdec_cli.loading.target_states import LAST
 from specdec_cli.loading.tokens import encode_prompt, eos_token_ids
@@ -118,9 +118,7 @@ class Pair:
             "threads": torch.get_num_threads(),
             "cuda_graphs": self.target.graphed is not None,
             # which product served the CPU float32 decoding matmuls (decode_matmul.py); None elsewhere
-            "decode_matmul": None
-            if decode_matmul.detour_is_faster is None or device.type != "cpu" or self.dtype != torch.float32
-            else ("W @ x.T" if decode_matmul.detour_is_faster else "x @ W.T"),
+            "decode_matmul": PROCESS_CHOICE.name if device.type == "cpu" and self.dtype == torch.float32 else None,
             "versions": {
                 "specdec": specdec_cli.__version__,
                 "torch": torch.__version__,

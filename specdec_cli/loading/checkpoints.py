@@ -38,7 +38,7 @@ from transformers import (
 
 from specdec_cli.config import ModelSpec, TinyModel, cache_dir, local_path
 from specdec_cli.errors import FetchError, SpecdecError
-from specdec_cli.loading.decode_matmul import use_decode_matmul
+from specdec_cli.loading.decode_matmul import PROCESS_CHOICE
 from specdec_cli.loading.draft_folder import WEIGHTS, index_files, tier_files
 from specdec_cli.loading.tokens import eos_token_ids
 
@@ -83,7 +83,7 @@ def load_model(
     tokenizer is None for a draft folder that ships none (it uses the target's). `read_format` loads
     a folder in a draft format of its own (without it: transformers' checkpoints only)."""
     model, tokenizer = _load(spec, device, dtype, target, read_format)
-    use_decode_matmul(model)  # decoding feeds 1 to a few tokens at a time: see decode_matmul.py
+    PROCESS_CHOICE.route(model)  # decoding feeds 1 to a few tokens at a time: see decode_matmul.py
     return model, tokenizer
 
 

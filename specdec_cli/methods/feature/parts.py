@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from specdec_cli.loading.decode_matmul import linear
+from specdec_cli.loading.decode_matmul import PROCESS_CHOICE
 
 FEATURES = "feature_projection"  # the draft's module that reads [embedding, hidden state]
 TAPS = "tap_fusion"  # the draft's module that fuses the target layers it reads into one state
@@ -47,7 +47,7 @@ class SubsetHead(torch.nn.Module):
         self.register_buffer("weight", rows, persistent=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.weight)
+        return PROCESS_CHOICE.linear(hidden, self.weight)
 
 
 def head_vocabulary(draft: torch.nn.Module) -> torch.Tensor | None:
