@@ -102,6 +102,13 @@ class Block:
     states: torch.Tensor | None
     drafted_at: object
 
+    def outcome(self) -> tuple[list[int], list[int], Rows]:
+        """The block's one host sync: per row, the accepted count, the next token and the draft ids."""
+        batch, width = self.drafts.shape
+        host = to_host(torch.cat([self.num_accepted, self.next_token, self.drafts.flatten()]))
+        drafts = host[2 * batch :]
+        return host[:batch], host[batch : 2 * batch], [drafts[i * width : (i + 1) * width] for i in range(batch)]
+
     def settle(
         self, target: CachedModel, drafter: Drafter | None, draft_ids: Rows, accepted: list[int], tokens: list[int]
     ):
@@ -197,31 +204,19 @@ class SpeculativeDecoder:
         wants_states = self.drafter is not None and self.drafter.reads_target_states
 
         timeline = Timeline(self.clock, len(prompts))
-        self.target.reset(max_tokens, len(prompts))
-        prompt_states = None
-        if max(map(len, prompts)) > 1:
-            ids, counts = right_padded([p[:-1] for p in prompts], device)
-            prompt_states = self.target.forward(ids, counts=counts, logits="none", hidden=wants_states).hidden
-        if self.drafter is not None:
-            self.drafter.start(prompts, max_tokens, prompt_states)
+        self._prefill(prompts, max_tokens, wants_states)
         timeline.prefilled()
 
         active = list(range(len(prompts)))  # rows still decoding, in the caches' order
         last_token = to_device([p[-1:] for p in prompts], device)  # [B, 1]
         while active:
-            # never draft past the limit: the block's own token needs one of the remaining slots
             remaining = max(max_new_tokens - len(results[row].token_ids) for row in active)
-            scheduled = self.gamma if self.schedule is None else self.schedule.tokens(len(active))
-            gamma = min(self.gamma, scheduled, remaining - 1)
+            gamma = self._block_length(len(active), remaining)
             block_start = self.clock.mark()
             trees_now = self.tree is not None and gamma
             block = (self._tree_block if trees_now else self._chain_block)(last_token, gamma, generator, wants_states)
-            width = block.drafts.shape[1]
-            # the one host sync of the block: accepted counts, next tokens and the draft ids together
-            host = to_host(torch.cat([block.num_accepted, block.next_token, block.drafts.flatten()]))
+            accepted, tokens, draft_ids = block.outcome()
             batch = len(active)
-            accepted, tokens = host[:batch], host[batch : 2 * batch]
-            draft_ids = [host[2 * batch + i * width : 2 * batch + (i + 1) * width] for i in range(batch)]
             timeline.block(block_start, block.drafted_at, batch)
             block.settle(self.target, self.drafter, draft_ids, accepted, tokens)
             staying = []
@@ -235,18 +230,38 @@ class SpeculativeDecoder:
             if on_tokens is not None:  # showing tokens is not decoding: keep it off the clock
                 with timeline.off_clock():
                     on_tokens(results[0].token_ids[-emitted:], min(accepted[0], emitted))  # the one row's block
-            if len(staying) < batch and staying:  # rows that stopped leave the caches
-                self.target.keep(staying)
-                if self.drafter is not None:
-                    self.drafter.keep(staying)
             active = [active[i] for i in staying]
-            next_token = block.next_token
-            last_token = (
-                next_token[to_device(staying, device)][:, None] if len(staying) < batch else next_token[:, None]
-            )
+            last_token = self._keep_rows(staying, block.next_token)
         for result, (prefill, decode, steps) in zip(results, timeline.rows()):
             result.prefill_seconds, result.decode_seconds, result.steps = prefill, decode, steps
         return results
+
+    def _prefill(self, prompts: list[list[int]], max_tokens: int, wants_states: bool) -> None:
+        """Fresh caches of `max_tokens` per row, holding every prompt token but the last (the first
+        block's input); the drafter starts from the same prompts."""
+        self.target.reset(max_tokens, len(prompts))
+        prompt_states = None
+        if max(map(len, prompts)) > 1:
+            ids, counts = right_padded([p[:-1] for p in prompts], self.target.device)
+            prompt_states = self.target.forward(ids, counts=counts, logits="none", hidden=wants_states).hidden
+        if self.drafter is not None:
+            self.drafter.start(prompts, max_tokens, prompt_states)
+
+    def _block_length(self, rows: int, remaining: int) -> int:
+        """Draft tokens for a block of `rows` rows: the schedule's for that many, and never past the
+        token limit (`remaining` for the row furthest from it; the block's own token takes one)."""
+        scheduled = self.gamma if self.schedule is None else self.schedule.tokens(rows)
+        return min(self.gamma, scheduled, remaining - 1)
+
+    def _keep_rows(self, staying: list[int], next_token: torch.Tensor) -> torch.Tensor:
+        """Rows that stopped leave both caches; the staying rows' next tokens [B', 1]."""
+        if len(staying) == next_token.shape[0]:
+            return next_token[:, None]
+        if staying:
+            self.target.keep(staying)
+            if self.drafter is not None:
+                self.drafter.keep(staying)
+        return next_token[to_device(staying, self.target.device)][:, None]
 
     def _chain_block(
         self, last_token: torch.Tensor, gamma: int, generator: torch.Generator, wants_states: bool
