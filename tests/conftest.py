@@ -10,9 +10,13 @@ import yaml
 from typer.testing import CliRunner
 
 from specdec_cli.cli import app
+from specdec_cli.commands.verify import statistics
 from specdec_cli.config import TinyModel
+from specdec_cli.decoding import tree
 from specdec_cli.decoding.cache import CachedModel
+from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.loading.checkpoints import build_tiny, byte_tokenizer
+from specdec_cli.methods.suffix import CachedAnswer, SuffixDrafter
 
 
 @pytest.fixture(autouse=True)
@@ -45,6 +49,33 @@ def generate_json(*args: str) -> dict:
     run = CliRunner().invoke(app, ["generate", "-p", "Hello there", "--json", *args])
     assert run.exit_code == 0, run.output
     return json.loads(run.stdout)
+
+
+def earlier_answers(pair, ids: list[int], params: SamplingParams) -> None:
+    """Suffix decoding's shared cache as after earlier requests whose answers were the target's own
+    samples after this prompt (verify's runs never draft from their own prompt's answers): drafts
+    the target often accepts, so the checks see accepted drafts."""
+    suffix = next((d for d in (pair.drafter, pair.lookup) if isinstance(d, SuffixDrafter)), None)
+    if suffix is None:
+        return
+    alone = pair.decoder(params, speculative=False)
+    for seed in range(40):
+        answer = alone.generate(ids, 24, seed, ignore_eos=True).token_ids
+        suffix.cached.append(CachedAnswer((-1 - seed,), answer, counted=True))
+        suffix.shared.add(answer)
+
+
+def tree_paths(drafted: tree.DraftTree, row: int = 0) -> list[tuple]:
+    """Per slot, the tokens from the root to it; parents must come first."""
+    paths = [()]
+    for token, parent in zip(drafted.tokens[row].tolist(), drafted.parents[row].tolist()):
+        assert parent < len(paths)
+        paths.append(paths[parent] + (token,))
+    return paths
+
+
+def failing(rows) -> list[str]:
+    return [f"{row.check}: {row.what}" for row in rows if row.status == statistics.FAIL]
 
 
 # training prompts of the tiny distillation runs (tests/test_distill.py, tests/test_eagle3_export.py)

@@ -69,17 +69,16 @@ def test_greedy_output_is_the_targets(kind, tmp_path, write_config):
     assert max(model_blocks) == 3
 
 
-@pytest.mark.parametrize("kind", ["medusa-pt", "medusa-vllm", "dflash", "dflash-nested", "dflash-speculators"])
-def test_sampled_output_is_the_targets(kind, tmp_path, write_config):
+@pytest.mark.parametrize("kind", ["medusa-pt", "dflash-speculators"])
+def test_sampled_output_from_a_one_token_prompt_is_the_targets(kind, tmp_path, write_config):
+    """The first block has no target state to draft from (the rest of the table: test_exactness.py)."""
     WRITERS[kind](tmp_path / "draft")
     pair = pair_of(write_config, tmp_path / "draft")
-    for prompt, batch_size in ((PROMPTS[0], 4), ("H", 1)):  # a one-token prompt: Medusa has no state yet
-        ids = pair.encode(prompt, raw=True)
-        result = checks.check_model(pair, ids, "p", SAMPLED, 200, 0, 0.01, batch_size=batch_size)
-        statistics.holm(result, 0.01)
-        assert [r.what for r in result if r.status == statistics.FAIL] == [], [(r.check, r.p_value) for r in result]
-        accepted, drafted = map(int, result[0].note.split(" draft")[0].split("/"))
-        assert 0.03 * drafted < accepted < 0.5 * drafted  # drafts are neither all rejected nor the target's
+    result = checks.check_model(pair, pair.encode("H", raw=True), "p", SAMPLED, 200, 0, 0.01)
+    statistics.holm(result, 0.01)
+    assert [r.what for r in result if r.status == statistics.FAIL] == [], [(r.check, r.p_value) for r in result]
+    accepted, drafted = map(int, result[0].note.split(" draft")[0].split("/"))
+    assert 0.03 * drafted < accepted < 0.5 * drafted  # drafts are neither all rejected nor the target's
 
 
 def hand_over_another_positions_q(drafter, monkeypatch):

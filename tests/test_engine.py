@@ -62,15 +62,6 @@ def test_greedy_output_is_the_targets_with_a_different_draft(tiny_target, noisy_
     assert 0 < rate < 1  # some drafts rejected: rollback and catch-up paths were exercised
 
 
-@pytest.mark.parametrize("gamma", [1, 4])
-def test_greedy_output_is_the_targets_with_the_ngram_drafter(tiny_target, tokenizer, gamma):
-    prompt = tokenizer.encode(PROMPT * 2)
-    baseline = target_only(tiny_target, prompt, 40)
-    result = speculative(tiny_target, None, prompt, 40, gamma)
-    assert result.token_ids == baseline.token_ids
-    assert sum(s.drafted for s in result.steps) > 0
-
-
 def test_ngram_lookup_proposes_what_followed_the_latest_match():
     drafter = NgramDrafter(max_n=2, min_n=1, vocab_size=10, device=torch.device("cpu"))
     drafter.start([[1, 2, 3, 4, 1, 2, 5, 6, 1, 2]], max_tokens=20, target_states=None)

@@ -13,8 +13,8 @@ from collections import Counter
 
 import pytest
 import torch
-from test_block_drafts import write_dflash, write_medusa_vllm
-from test_formats import eagle3_checkpoint, write_folder
+from block_checkpoints import write_dflash, write_medusa_vllm
+from feature_checkpoints import eagle3_checkpoint, write_folder
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -7,6 +7,12 @@ import itertools
 
 import pytest
 import torch
+from broken_rules import (
+    block_acceptance_unnormalised,
+    block_acceptance_with_token_residual,
+    verify_block_accepting_token_wise,
+    verify_block_stopping_at_the_first_failure,
+)
 from scipy import stats
 
 from specdec_cli.decoding import sampling
@@ -310,35 +316,6 @@ def draws_failures() -> list[str]:
 
 def test_block_verification_output_is_the_targets_exactly_and_in_draws():
     assert exact_failures() == [] and draws_failures() == []
-
-
-real_block_acceptance = sampling.block_acceptance
-
-
-def block_acceptance_with_token_residual(draft_tokens, draft_probs, target_probs):
-    """A realistic bug: the correction is token verification's norm(max(0, p - q)), not norm(max(0, k_i p - q))."""
-    h, _ = real_block_acceptance(draft_tokens, draft_probs, target_probs)
-    return h, (target_probs - torch.nn.functional.pad(draft_probs, (0, 0, 0, 1))).clamp_min(0)
-
-
-def block_acceptance_unnormalised(draft_tokens, draft_probs, target_probs):
-    """A realistic bug: h_i = Z_i, the residual mass, without dividing it by Z_i + 1 - k_i."""
-    _, leftover = real_block_acceptance(draft_tokens, draft_probs, target_probs)
-    return leftover[:, 1:].sum(-1, dtype=torch.float64), leftover
-
-
-def verify_block_accepting_token_wise(draft_tokens, draft_probs, target_probs, generator):
-    """A realistic bug: drafts kept by token verification's test, the correction drawn from the block rule's."""
-    _, leftover = real_block_acceptance(draft_tokens, draft_probs, target_probs)
-    num_accepted, _ = verify_sampled(draft_tokens, draft_probs, target_probs, generator)
-    return num_accepted, sample(leftover[torch.arange(len(leftover)), num_accepted], generator)
-
-
-def verify_block_stopping_at_the_first_failure(draft_tokens, draft_probs, target_probs, generator):
-    """A realistic bug: tau = the drafts before the first eta_i >= h_i, not the last i with eta_i < h_i."""
-    h, leftover = real_block_acceptance(draft_tokens, draft_probs, target_probs)
-    num_accepted = accepted_prefix_length(torch.rand(h.shape, dtype=torch.float64, generator=generator) < h)
-    return num_accepted, sample(leftover[torch.arange(len(leftover)), num_accepted], generator)
 
 
 @pytest.mark.parametrize("broken", [block_acceptance_with_token_residual, block_acceptance_unnormalised])

@@ -1,8 +1,7 @@
 """Drafters that need no training: suffix decoding (methods/suffix.py) and token recycling
 (methods/recycling.py). Their structures hold what they say (substring counts, the shared cache of
-earlier answers, the adjacency table, the tree template); on the tiny target greedy output is the
-target's alone and sampled output is distributed as the target's, for chains, trees, batches and
-suffix decoding ahead of a draft model; and a q that is not their drafts' one-hot is caught."""
+earlier answers, the adjacency table, the tree template), and a q that is not their drafts' one-hot
+is caught. Their exact output is in the exactness table (test_exactness.py)."""
 
 from __future__ import annotations
 
@@ -11,12 +10,13 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import earlier_answers
 
 from specdec_cli.commands.verify import checks, statistics
 from specdec_cli.config import SuffixSettings, load_config
 from specdec_cli.decoding.params import SamplingParams, TreeShape
 from specdec_cli.methods.recycling import RecyclingDrafter, template
-from specdec_cli.methods.suffix import CachedAnswer, GrowingTrie, SuffixDrafter, SuffixTrie
+from specdec_cli.methods.suffix import GrowingTrie, SuffixDrafter, SuffixTrie
 from specdec_cli.pair import load_pair, suffix_drafter
 
 CPU = torch.device("cpu")
@@ -175,54 +175,7 @@ def test_recycling_learns_each_tokens_next_tokens_from_the_verification_and_draf
     assert tree.tokens.tolist() == [[7, 8, 1, 3]] and tree.parents.tolist() == [[0, 1, 0, 1]]
 
 
-# ---------------------------------------------------------------- exact output
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_greedy_output_is_the_targets(kind, write_config):
-    pair = pair_of(write_config, kind)
-    prompts = [pair.encode(p, raw=True) for p in PROMPTS]
-    alone = pair.decoder(SamplingParams(), speculative=False)
-    expected = [alone.generate(ids, 32, 0, ignore_eos=True).token_ids for ids in prompts]
-    decoder = pair.decoder(SamplingParams())
-    assert [decoder.generate(ids, 32, 0, ignore_eos=True).token_ids for ids in prompts] == expected
-    rows = decoder.generate_batch(prompts, 32, 0, ignore_eos=True)  # a batch, one answer the cache already has
-    assert [r.token_ids for r in rows] == expected
-    assert sum(s.accepted for r in rows for s in r.steps) > 0
-
-
-def earlier_answers(pair, ids: list[int], params: SamplingParams) -> None:
-    """Suffix decoding's shared cache as after earlier requests whose answers were the target's own
-    samples after this prompt (verify's runs never draft from their own prompt's answers): drafts
-    the target often accepts, so the checks see accepted drafts."""
-    suffix = next((d for d in (pair.drafter, pair.lookup) if isinstance(d, SuffixDrafter)), None)
-    if suffix is None:
-        return
-    alone = pair.decoder(params, speculative=False)
-    for seed in range(40):
-        answer = alone.generate(ids, 24, seed, ignore_eos=True).token_ids
-        suffix.cached.append(CachedAnswer((-1 - seed,), answer, counted=True))
-        suffix.shared.add(answer)
-
-
-SAMPLED = {
-    "T=1, batch 1": (SamplingParams(temperature=1.0), 1),
-    "T=0.6 top-k top-p, batch 4": (SamplingParams(0.6, 20, 0.9), 4),
-}
-
-
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("setting", SAMPLED)
-def test_sampled_output_is_the_targets(kind, setting, write_config):
-    pair = pair_of(write_config, kind)
-    params, batch = SAMPLED[setting]
-    ids = pair.encode(PROMPTS[0], raw=True)
-    earlier_answers(pair, ids, params)
-    rows = checks.check_model(pair, ids, "p", params, 200, 0, 0.01, batch_size=batch)
-    statistics.holm(rows, 0.01)
-    assert [r.what for r in rows if r.status == statistics.FAIL] == [], [(r.check, r.p_value) for r in rows]
-    accepted = int(rows[0].note.split("/")[0])
-    assert accepted > 20  # drafts were accepted: the checks saw speculative blocks
+# ---------------------------------------------------------------- a broken q
 
 
 @pytest.mark.parametrize("kind", ["suffix", "recycling"])

@@ -10,7 +10,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import cached
+from broken_rules import p_prime_not_renormalised, siblings_tested_against_p
+from conftest import cached, failing, tree_paths
 from scipy import stats
 from typer.testing import CliRunner
 
@@ -70,15 +71,6 @@ def reference_tree(log_probs, shape: TreeShape) -> tuple[dict, list]:
             fed.append(frontier)
     kept = sorted(candidates, key=candidates.get, reverse=True)[: shape.max_nodes]
     return {path: candidates[path] for path in kept}, fed
-
-
-def tree_paths(drafted: tree.DraftTree, row: int = 0) -> list[tuple]:
-    """Per slot, the tokens from the root to it; parents must come first."""
-    paths = [()]
-    for token, parent in zip(drafted.tokens[row].tolist(), drafted.parents[row].tolist()):
-        assert parent < len(paths)
-        paths.append(paths[parent] + (token,))
-    return paths
 
 
 def grown_tree(table: torch.Tensor, shape: TreeShape) -> tuple[tree.DraftTree, torch.Tensor]:
@@ -231,22 +223,6 @@ def test_a_feature_drafts_tree_is_the_expansion_of_its_chain_steps(tiny_target, 
 
 
 # ---------------------------------------------------------------- the sampled rule
-
-
-def siblings_tested_against_p(target_probs, tokens, children, generator):
-    """Bug: p' is never updated: every child is tried against p, and the leftover is p itself."""
-    mass = target_probs.gather(1, tokens).double() * children
-    u = torch.rand(mass.shape, dtype=torch.float64, generator=generator)
-    return u < mass, target_probs
-
-
-def p_prime_not_renormalised(target_probs, tokens, children, generator):
-    """Bug: a rejected child is zeroed in p' but p' is not renormalised, so a later child is accepted
-    with p(x), not p(x) over the mass left (the leftover's draw normalises by itself)."""
-    mass = target_probs.gather(1, tokens).double() * children
-    u = torch.rand(mass.shape, dtype=torch.float64, generator=generator)
-    drafted = torch.zeros_like(target_probs).scatter_add_(1, tokens, children.to(target_probs.dtype))
-    return u < mass, (target_probs - drafted).clamp_min(0)
 
 
 BROKEN_RULES = [
@@ -600,10 +576,6 @@ def model_rows(pair, params: SamplingParams, batch_size: int = 1) -> list[statis
     rows += [checks.check_greedy(pair, ids, "p", 32, seed=0)]
     statistics.holm(rows, SIGNIFICANCE)
     return rows
-
-
-def failing(rows) -> list[str]:
-    return [f"{row.check}: {row.what}" for row in rows if row.status == statistics.FAIL]
 
 
 SAMPLED = [

@@ -1,7 +1,8 @@
 """Draft trees of the drafters that draft a whole block at once: Medusa heads and DFlash (the static
 top-k tree over their positions) and prompt lookup (a trie of several matches). Their structure
-against enumeration, their greedy output against the target alone, verify-distribution's checks on
-them at T > 0, and a broken lookup trie (siblings that repeat a token) those checks must catch."""
+against enumeration, their greedy output against the target alone at several shapes, and a broken
+lookup trie (siblings that repeat a token) verify-distribution's checks must catch. Their sampled
+output is in the exactness table (test_exactness.py)."""
 
 from __future__ import annotations
 
@@ -9,21 +10,21 @@ from itertools import islice
 
 import pytest
 import torch
-from test_block_drafts import TARGET, write_dflash, write_medusa_vllm
-from test_tree import ONE_THREAD, SIGNIFICANCE, failing, siblings_tested_against_p, tree_paths
+from block_checkpoints import TARGET, write_dflash, write_medusa_vllm
+from broken_rules import siblings_tested_against_p
+from conftest import failing, tree_paths
 
 from specdec_cli.commands.verify import checks, statistics
 from specdec_cli.config import load_config
 from specdec_cli.decoding import tree
 from specdec_cli.decoding.params import SamplingParams, TreeShape
-from specdec_cli.methods.dflash.drafter import BlockDrafter
-from specdec_cli.methods.medusa.drafter import MedusaDrafter
 from specdec_cli.methods.ngram import NgramDrafter
 from specdec_cli.pair import load_pair
 
 PROMPTS = ["Hello there, how are you?", "H", "abc abc abc abc", "Once upon a time, in a land far away"]
 SHAPES = [TreeShape(3, 2, 6), TreeShape(2, 3, 9), TreeShape(4, 1, 4)]
 RUNS = 300
+ONE_THREAD, SIGNIFICANCE = {"runtime": {"threads": 1}}, 0.01
 SHAPE = TreeShape(3, 3, 9)  # the configs': lookup's tree has three branches
 
 
@@ -144,21 +145,6 @@ def rows_of(pair, ids: list[int], params: SamplingParams, batch_size: int) -> li
 def accepted(rows: list[statistics.Row]) -> int:
     """Draft tokens accepted over the runs (from the first row's note)."""
     return int(rows[0].note.split("/")[0])
-
-
-@pytest.mark.parametrize(
-    "kind, params, batch_size",
-    [
-        ("medusa", SamplingParams(1.0), 4),
-        ("dflash", SamplingParams(0.6, top_k=20), 1),
-    ],
-)
-def test_block_draft_tree_checks_pass(write_config, tmp_path, kind, params, batch_size):
-    pair = pair_of(write_config, tmp_path, kind)
-    assert isinstance(pair.drafter, MedusaDrafter if kind == "medusa" else BlockDrafter)
-    rows = rows_of(pair, pair.encode(PROMPTS[0], raw=True), params, batch_size)
-    assert failing(rows) == [] and sum(r.p_value is not None for r in rows) >= 5
-    assert accepted(rows) > 0  # the walk went down the trees now and then
 
 
 def branches_not_merged(self, shape: TreeShape, row: int) -> tuple[list[int], list[int]]:

@@ -14,7 +14,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from test_sampling import block_acceptance_with_token_residual, verify_block_stopping_at_the_first_failure
+from broken_rules import block_acceptance_with_token_residual, verify_block_stopping_at_the_first_failure
 from typer.testing import CliRunner
 
 from specdec_cli.cli import app

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_block_drafts import write_dflash, write_medusa_vllm
-from test_formats import eagle3_checkpoint, eagle_checkpoint, write_folder
+from block_checkpoints import write_dflash, write_medusa_vllm
+from feature_checkpoints import eagle3_checkpoint, eagle_checkpoint, write_folder
 from typer.testing import CliRunner
 
 from specdec_cli.bench.report import category_report
