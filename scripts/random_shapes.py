@@ -134,8 +134,8 @@ class Agreeing(Drafter):
         self.draws = torch.Generator(device=self.device).manual_seed(0)
         self.done = [0] * len(prompts)
 
-    def propose(self, gamma, params, generator):
-        drafts, q = self.inner.propose(gamma, params, generator)
+    def propose(self, num_draft_tokens, params, generator):
+        drafts, q = self.inner.propose(num_draft_tokens, params, generator)
         g = drafts.shape[1]
         right = torch.stack([self.answers[row, done : done + g] for row, done in enumerate(self.done)])
         agree = torch.rand(drafts.shape, device=self.device, generator=self.draws) < self.agreement
@@ -208,7 +208,14 @@ def verification_costs(eager: CachedModel, graphed: CachedModel, widths, context
 
 
 def speculative_runs(
-    target, drafts: dict, prompt: list[int], batch: int, agreement: float, gamma: int, tokens: int, label: str = ""
+    target,
+    drafts: dict,
+    prompt: list[int],
+    batch: int,
+    agreement: float,
+    num_draft_tokens: int,
+    tokens: int,
+    label: str = "",
 ):
     """Target alone, then each draft under the agreement knob, greedy, `batch` copies of `prompt`.
     With graphs the warm-up is a whole run, which captures every graph the measured run replays."""
@@ -231,7 +238,7 @@ def speculative_runs(
     ]
     for name, inner in drafts.items():
         drafter = Agreeing(inner, answers, agreement, target)
-        decoder = SpeculativeDecoder(target, drafter, params, gamma, set())
+        decoder = SpeculativeDecoder(target, drafter, params, num_draft_tokens, set())
         decoder.generate_batch(prompts, warm_up, seed=0, ignore_eos=True)
         spec = decoder.generate_batch(prompts, tokens, seed=0, ignore_eos=True)
         tps = sum(len(r.token_ids) for r in spec) / max(r.decode_seconds for r in spec)
@@ -241,7 +248,7 @@ def speculative_runs(
             {
                 "draft": name + label,
                 "batch": batch,
-                "gamma": gamma,
+                "num_draft_tokens": num_draft_tokens,
                 "agreement": agreement,
                 "tokens_per_second": tps,
                 "speedup": tps / base_tps,
@@ -256,7 +263,7 @@ def speculative_runs(
     return rows
 
 
-def loop_profile(target: CachedModel, draft: Drafter, prompt: list[int], gamma: int) -> str:
+def loop_profile(target: CachedModel, draft: Drafter, prompt: list[int], num_draft_tokens: int) -> str:
     """torch.profiler's view of 32 tokens of target alone, then of speculative decoding with `drafter`
     (`draft`, its drafts kept as they are): where the loop's host time goes besides the model."""
     from torch.profiler import ProfilerActivity, profile
@@ -264,7 +271,7 @@ def loop_profile(target: CachedModel, draft: Drafter, prompt: list[int], gamma: 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if target.device.type == "cuda" else [])
     tables = []
     for name, drafter in (("target alone", None), ("speculative", draft)):
-        decoder = SpeculativeDecoder(target, drafter, SamplingParams(), gamma if drafter else 0, set())
+        decoder = SpeculativeDecoder(target, drafter, SamplingParams(), num_draft_tokens if drafter else 0, set())
         decoder.generate(prompt, 8, seed=0, ignore_eos=True)
         with profile(activities=activities) as prof:
             result = decoder.generate(prompt, 32, seed=0, ignore_eos=True)
@@ -280,7 +287,7 @@ def main() -> int:
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, float32: a check of this script")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--agreement", type=float, default=0.7)
-    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--num_draft_tokens", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--profile", type=Path, help="write torch.profiler's tables of the loop here")
     args = parser.parse_args()
@@ -306,8 +313,8 @@ def main() -> int:
             target=model,
             read_format=load_format,
         )
-    drafting = FORMATS["eagle3"].drafting(eagle, target_shape["vocab_size"], 0.0, graphs=False)
-    target = CachedModel(model, target_shape["vocab_size"], drafting.state_layers)
+    wiring = FORMATS["eagle3"].wire(eagle, target_shape["vocab_size"], 0.0, graphs=False)
+    target = CachedModel(model, target_shape["vocab_size"], wiring.state_layers)
     small = CachedModel(llama(draft_shape, device, dtype, seed=1), target_shape["vocab_size"])
     print(f"built the models in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
 
@@ -325,24 +332,24 @@ def main() -> int:
         if args.json:
             args.json.write_text(json.dumps(result, indent=1))
 
-    graphed = CachedModel(model, target_shape["vocab_size"], drafting.state_layers, graphs=True)
+    graphed = CachedModel(model, target_shape["vocab_size"], wiring.state_layers, graphs=True)
     result["verification"] = verification_costs(target, graphed, widths, contexts, repeats)
     save()
     prompt = torch.randint(target_shape["vocab_size"], (contexts[0],), generator=torch.Generator().manual_seed(2))
     for batch in batches:
-        drafts = {"eagle3-shaped": drafting.drafter, "1b-shaped": ModelDrafter(small)}
+        drafts = {"eagle3-shaped": wiring.drafter, "1b-shaped": ModelDrafter(small)}
         result["speculative"] += speculative_runs(
-            target, drafts, prompt.tolist(), batch, args.agreement, args.gamma, tokens
+            target, drafts, prompt.tolist(), batch, args.agreement, args.num_draft_tokens, tokens
         )
         save()
         if device.type == "cuda":  # the same with decoding forwards replayed from CUDA graphs
             vocab = target_shape["vocab_size"]
             drafts = {
-                "eagle3-shaped": FORMATS["eagle3"].drafting(eagle, vocab, 0.0, graphs=True).drafter,
+                "eagle3-shaped": FORMATS["eagle3"].wire(eagle, vocab, 0.0, graphs=True).drafter,
                 "1b-shaped": ModelDrafter(CachedModel(small.model, vocab, graphs=True)),
             }
             rows = speculative_runs(
-                graphed, drafts, prompt.tolist(), batch, args.agreement, args.gamma, tokens, ", graphs"
+                graphed, drafts, prompt.tolist(), batch, args.agreement, args.num_draft_tokens, tokens, ", graphs"
             )
             eager_alone = next(
                 r for r in result["speculative"] if r["draft"] == "none (target alone)" and r["batch"] == batch
@@ -351,7 +358,7 @@ def main() -> int:
             result["speculative"] += rows
             save()
     if args.profile:
-        args.profile.write_text(loop_profile(target, ModelDrafter(small), prompt.tolist(), args.gamma))
+        args.profile.write_text(loop_profile(target, ModelDrafter(small), prompt.tolist(), args.num_draft_tokens))
     ok = all(row.get("same_tokens_as_target_alone", True) for row in result["speculative"])
     return 0 if ok else 1
 

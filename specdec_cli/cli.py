@@ -379,7 +379,7 @@ def compare(
     runs_dir: RunsDirOpt = None,
     record: RecordOpt = True,
 ) -> None:
-    """Show two benchmark records side by side, matched by temperature and gamma or tree, with B / A
+    """Show two benchmark records side by side, matched by temperature and num_draft_tokens or tree, with B / A
     ratios; runs nothing. Writes runs/<time>-compare-<A>-vs-<B>/ with the table (report.md) and both
     runs' charts side by side on shared scales (chart.png, chart.svg)."""
     from specdec_cli.commands.compare import compare as compare_records

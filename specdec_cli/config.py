@@ -177,7 +177,7 @@ class Schedule:
 
 @dataclass
 class Speculation:
-    num_draft_tokens: int = 4  # gamma: tokens drafted per target forward (a chain)
+    num_draft_tokens: int = 4  # tokens drafted per target forward (a chain); the papers' gamma
     # a draft model stops drafting a block at the first token it gives less than this probability
     # (in every row of a batch): unlikely drafts are mostly rejected, and each costs a draft step and
     # a wider verification. 0: always num_draft_tokens. The output stays exact either way.

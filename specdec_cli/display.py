@@ -95,7 +95,7 @@ def generation_table(stats: dict, env: dict, title: str) -> Table:
         (
             "Draft acceptance rate",
             f"{fmt(stats['acceptance_rate'], '.1%')} "
-            f"({stats['num_accepted_tokens']}/{stats['num_draft_tokens']} drafts)",
+            f"({stats['vllm_counters']['num_accepted_tokens']}/{stats['vllm_counters']['num_draft_tokens']} drafts)",
         ),
         ("Acceptance by draft position", positions),
         ("Acceptance by position, given the ones before", given),

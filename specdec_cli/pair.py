@@ -20,7 +20,7 @@ from specdec_cli.decoding.verification import chain_rule
 from specdec_cli.errors import SpecdecError
 from specdec_cli.loading.checkpoints import load_model
 from specdec_cli.loading.decode_matmul import PROCESS_CHOICE
-from specdec_cli.loading.draft_folder import Drafting
+from specdec_cli.loading.draft_folder import Wiring
 from specdec_cli.loading.target_states import LAST
 from specdec_cli.loading.tokens import encode_prompt, eos_token_ids
 from specdec_cli.methods.context import ContextDrafter
@@ -89,18 +89,20 @@ class Pair:
         if tree is not None and speculative:  # lookup's tree where it finds a match, the model's elsewhere
             drafter = self.drafter if self.lookup is None else LookupFirstDrafter(self.lookup, self.drafter)
             return SpeculativeDecoder(self.target, drafter, params, tree.depth, self.eos_token_ids, tree)
-        gamma = self.config.speculation.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
+        num_draft_tokens = self.config.speculation.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
         drafter = self.drafter if speculative else None
         if speculative and self.lookup is not None:
             lookup_tokens = (self.config.draft.lookup or self.config.draft.suffix).num_draft_tokens
             if lookup_tokens is None:  # both sides draft the decoder's length
                 drafter = LookupFirstDrafter(self.lookup, drafter)
             else:  # each side its own length; the decoder's is the longer
-                drafter = LookupFirstDrafter(self.lookup, drafter, lookup_tokens, gamma)
-                gamma = max(gamma, lookup_tokens)
+                drafter = LookupFirstDrafter(self.lookup, drafter, lookup_tokens, num_draft_tokens)
+                num_draft_tokens = max(num_draft_tokens, lookup_tokens)
         rule = chain_rule(params, verification or self.config.speculation.verification)
         schedule = self.config.batch_schedule(params.greedy)
-        return SpeculativeDecoder(self.target, drafter, params, gamma, self.eos_token_ids, rule=rule, schedule=schedule)
+        return SpeculativeDecoder(
+            self.target, drafter, params, num_draft_tokens, self.eos_token_ids, rule=rule, schedule=schedule
+        )
 
     def encode(self, prompt: str, raw: bool = False, history: list[dict] | None = None) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, raw, history)
@@ -198,13 +200,13 @@ def load_pair(config: Config) -> Pair:
         kind = getattr(draft_model.config, DRAFT_FORMAT, None)
         if kind is None:  # a causal LM drafts from tokens alone
             causal_draft = draft_model
-            drafting = Drafting(
+            wiring = Wiring(
                 ModelDrafter(CachedModel(draft_model, vocab_size, graphs=graphs), threshold), LAST, "reads tokens only"
             )
         else:
-            drafting = FORMATS[kind].drafting(draft_model, vocab_size, threshold, graphs)
-        drafter, state_layers = drafting.drafter, drafting.state_layers  # the states the target hands the draft
-        description = f"{kind or 'causal LM'} draft, {drafting.reads}"
+            wiring = FORMATS[kind].wire(draft_model, vocab_size, threshold, graphs)
+        drafter, state_layers = wiring.drafter, wiring.state_layers  # the states the target hands the draft
+        description = f"{kind or 'causal LM'} draft, {wiring.reads}"
         if config.draft.lookup is not None:
             lookup = NgramDrafter(config.draft.lookup.max_n, config.draft.lookup.min_n, vocab_size, device)
         if config.draft.suffix is not None:

@@ -179,13 +179,13 @@ WRITERS = {
 }
 
 
-def pair_of(write_config, folder, gamma=3, lookup=False):
+def pair_of(write_config, folder, num_draft_tokens=3, lookup=False):
     draft = {"checkpoint": str(folder), **({"lookup": {"max_n": 3, "min_n": 2}} if lookup else {})}
     config = write_config(
         {
             "target": TARGET,
             "draft": draft,
-            "speculation": {"num_draft_tokens": gamma},
+            "speculation": {"num_draft_tokens": num_draft_tokens},
             "runtime": {"device": "cpu", "dtype": "float32", "threads": 1},
         }
     )

@@ -50,8 +50,8 @@ def drafter_of(kind: str, target, noisy_draft):
 
 
 @pytest.mark.parametrize("kind", ["same", "noisy", "feature", "feature-taps", "ngram"])
-@pytest.mark.parametrize("gamma", [1, 4])
-def test_each_row_is_its_prompt_alone(tiny_target, noisy_draft, tokenizer, kind, gamma):
+@pytest.mark.parametrize("num_draft_tokens", [1, 4])
+def test_each_row_is_its_prompt_alone(tiny_target, noisy_draft, tokenizer, kind, num_draft_tokens):
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     alone = SpeculativeDecoder(cached(tiny_target), None, GREEDY, 1, set())
     expected = [alone.generate(p, 24, 0).token_ids for p in prompts]
@@ -60,7 +60,7 @@ def test_each_row_is_its_prompt_alone(tiny_target, noisy_draft, tokenizer, kind,
     drafter = drafter_of(kind, tiny_target, noisy_draft)
     taps = target_layers(drafter.model.model) if kind.startswith("feature") else (-1,)
     target = CachedModel(tiny_target, tiny_target.config.vocab_size, taps)  # the states the draft reads
-    decoder = SpeculativeDecoder(target, drafter, GREEDY, gamma, {eos})
+    decoder = SpeculativeDecoder(target, drafter, GREEDY, num_draft_tokens, {eos})
     rows = decoder.generate_batch(prompts, 24, 0)
     assert [r.token_ids for r in rows] == expected
     assert rows[2].stop_reason == "eos" and len(rows[2].token_ids) <= 4
@@ -76,7 +76,9 @@ def test_preallocation_is_bounded_by_the_batch(tiny_target, tokenizer):
     target = cached(tiny_target)
     SpeculativeDecoder(target, ModelDrafter(cached(tiny_target)), GREEDY, 4, set()).generate_batch(prompts, 16, 0)
     keys = target.cache.layers[0].keys
-    assert keys.shape[2] == max(map(len, prompts)) + 16 + 4 + 1 + 1  # prompt + max_new_tokens + gamma + 1, scratch
+    assert (
+        keys.shape[2] == max(map(len, prompts)) + 16 + 4 + 1 + 1
+    )  # prompt + max_new_tokens + num_draft_tokens + 1, scratch
     assert keys.shape[0] <= len(prompts)  # rows that stopped have left
 
 
@@ -99,7 +101,9 @@ def row_runs(pair, prompt_ids, params, runs, seed):
     decoder = pair.decoder(params)
     tokens = []
     for i in range(runs):
-        rows = decoder.generate_batch([prompt_ids] + others, 2 * (decoder.gamma + 1), seed + i, ignore_eos=True)
+        rows = decoder.generate_batch(
+            [prompt_ids] + others, 2 * (decoder.num_draft_tokens + 1), seed + i, ignore_eos=True
+        )
         tokens.append(rows[0].token_ids)
     return tokens
 
@@ -151,13 +155,19 @@ def test_benchmark_measures_each_batch_size(write_config):
     assert sizes == {4, 3}  # 7 built-in prompts: a batch of 4 and one of 3
 
 
-def batch_run(size, gamma, tokens, seconds):
+def batch_run(size, num_draft_tokens, tokens, seconds):
     return {
         "batch_size": size,
         "temperature": 0.0,
-        "gamma": gamma,
+        "num_draft_tokens": num_draft_tokens,
         "prompt_ids": ["a"],
-        "repeats": [{"new_tokens": tokens, "decode_seconds": seconds, "steps": [[gamma, gamma, gamma + 1, 0.1, 0.1]]}],
+        "repeats": [
+            {
+                "new_tokens": tokens,
+                "decode_seconds": seconds,
+                "steps": [[num_draft_tokens, num_draft_tokens, num_draft_tokens + 1, 0.1, 0.1]],
+            }
+        ],
     }
 
 
@@ -168,7 +178,7 @@ def test_the_crossover_is_the_smallest_batch_size_that_lost():
             "prompt_id": "a",
             "category": "c",
             "temperature": 0.0,
-            "gamma": g,
+            "num_draft_tokens": g,
             "repeats": [{"new_tokens": 10, "decode_seconds": s, "steps": [[g, g, g + 1, 0.1, 0.1]]}],
         }
         for g, s in ((0, 1.0), (2, 0.5))
@@ -191,7 +201,7 @@ def test_compare_matches_batch_size_rows():
         row = {
             "batch_size": 4,
             "temperature": 0.0,
-            "gamma": 2,
+            "num_draft_tokens": 2,
             "baseline_tokens_per_second": [10.0] * 3,
             "speculative_tokens_per_second": [10.0 * speedup] * 3,
             "speedup": [speedup] * 3,
@@ -236,7 +246,7 @@ def test_the_hf_peer_at_batch_sizes_is_plain_batched_generate(write_config):
     assert run.exit_code == 0, run.output
     record = json.loads(run.stdout)
     [peer_batch] = [r for r in record["batch_runs"] if r["engine"] == "hf"]
-    alone = [r for r in record["runs"] if (r["engine"], r["gamma"]) == ("specdec", 0)]
+    alone = [r for r in record["runs"] if (r["engine"], r["num_draft_tokens"]) == ("specdec", 0)]
     # left-padded rows of transformers' generate() answer as each prompt alone does
     assert peer_batch["repeats"][0]["token_ids"] == [r["repeats"][0]["token_ids"] for r in alone]
     assert all(row["peer_tokens_per_second"][0] > 0 for row in record["batch_summary"])
@@ -280,14 +290,14 @@ def test_padding_is_never_written_past_a_rows_cache(tiny_target):
 def test_lookup_runs_of_unequal_length_fit_the_draft_cache(tiny_target, noisy_draft, tokenizer):
     """Lookup blocks that one row accepts whole and another rejects leave the model draft runs of
     unequal length to read (`follow`); the rows' caches hold the longest prompt + max_new_tokens +
-    gamma + 1 tokens. Here the long-prompt row is 9 tokens in when the other reads a run of 7."""
+    num_draft_tokens + 1 tokens. Here the long-prompt row is 9 tokens in when the other reads a run of 7."""
     prompts = [tokenizer.encode(PROMPTS[3]), tokenizer.encode(PROMPTS[0])]
-    max_new, gamma = 10, 2
+    max_new, num_draft_tokens = 10, 2
     drafter = ModelDrafter(cached(noisy_draft))
-    drafter.start(prompts, len(prompts[0]) + max_new + gamma + 1, None)
+    drafter.start(prompts, len(prompts[0]) + max_new + num_draft_tokens + 1, None)
     drafter.follow([list(range(70, 77)), [70]], None)  # a lookup block: 6 accepted + the target's token, 0 + 1
-    drafts, _ = drafter.propose(gamma, GREEDY, None)
+    drafts, _ = drafter.propose(num_draft_tokens, GREEDY, None)
     drafter.commit(drafts.tolist(), [0, 0], [80, 80], None)
     drafter.follow([[81], list(range(90, 96))], None)  # row 0 rejects, row 1 accepts 5 + 1
-    drafts, _ = drafter.propose(gamma, GREEDY, None)
-    assert drafts.shape == (2, gamma)
+    drafts, _ = drafter.propose(num_draft_tokens, GREEDY, None)
+    assert drafts.shape == (2, num_draft_tokens)

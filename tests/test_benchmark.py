@@ -31,7 +31,10 @@ SAME_PAIR = {
     "draft": {"tiny": {"seed": 0}},
     "sampling": {"temperature": 0.0, "seed": 0},
     "speculation": {"num_draft_tokens": 3},
-    "generation": {"max_new_tokens": 12, "ignore_eos": True},  # a multiple of gamma + 1 for gamma 1, 2, 3
+    "generation": {
+        "max_new_tokens": 12,
+        "ignore_eos": True,
+    },  # a multiple of num_draft_tokens + 1 for num_draft_tokens 1, 2, 3
     "runtime": {"device": "cpu", "dtype": "float32"},
 }
 
@@ -85,7 +88,7 @@ def save_checkpoint(model, folder: Path) -> Path:
 
 
 def tokens_by_mode(record: dict) -> dict[tuple[str, int], list[int]]:
-    return {(r["engine"], r["gamma"]): r["repeats"][0]["token_ids"] for r in record["runs"]}
+    return {(r["engine"], r["num_draft_tokens"]): r["repeats"][0]["token_ids"] for r in record["runs"]}
 
 
 @pytest.fixture
@@ -99,7 +102,7 @@ def prompt_file(tmp_path) -> Path:
     return path
 
 
-def make_run(prompt_id: str, gamma: int, tps: list[float], steps: list[list], category: str = "c") -> dict:
+def make_run(prompt_id: str, num_draft_tokens: int, tps: list[float], steps: list[list], category: str = "c") -> dict:
     repeats = [
         {"tokens_per_second": t, "end_to_end_tokens_per_second": t, "prefill_seconds": 0.1, "steps": steps} for t in tps
     ]
@@ -107,7 +110,7 @@ def make_run(prompt_id: str, gamma: int, tps: list[float], steps: list[list], ca
         "prompt_id": prompt_id,
         "category": category,
         "temperature": 0.0,
-        "gamma": gamma,
+        "num_draft_tokens": num_draft_tokens,
         "engine": "specdec",
         "repeats": repeats,
     }
@@ -120,7 +123,7 @@ SPEC_STEPS = [[4, 4, 5, 0.4, 1.0], [4, 1, 2, 0.4, 1.0], [4, 2, 3, 0.4, 1.0], [2,
 def test_summarize_mode_on_hand_made_records():
     baseline = [make_run("a", 0, [10.0, 12.0], BASE_STEPS), make_run("b", 0, [30.0, 28.0], BASE_STEPS)]
     speculative = [make_run("a", 4, [20.0, 30.0], SPEC_STEPS), make_run("b", 4, [40.0, 50.0], SPEC_STEPS)]
-    row = summarize_mode(baseline, speculative, gamma=4)
+    row = summarize_mode(baseline, speculative, num_draft_tokens=4)
     # per repeat: mean spec / mean base = 30/20 and 40/20; median of the two, then the range
     assert row["speedup"] == pytest.approx((1.75, 1.5, 2.0))
     assert row["end_to_end_speedup"] == pytest.approx((1.75, 1.5, 2.0))  # these records' tok/s include prefill
@@ -141,7 +144,7 @@ def test_summarize_mode_on_hand_made_records():
 
 def test_trees_get_the_prediction_from_measured_parts_only():
     baseline = [make_run("a", 0, [10.0], BASE_STEPS)]
-    row = summarize_mode(baseline, [make_run("a", 4, [20.0], SPEC_STEPS)], gamma=4, tree="4,3,16")
+    row = summarize_mode(baseline, [make_run("a", 4, [20.0], SPEC_STEPS)], num_draft_tokens=4, tree="4,3,16")
     assert row["predicted_speedup"] is None  # Leviathan's formula is a chain's
     assert row["predicted_speedup_from_parts"] == pytest.approx((1 + 9 / 4) / ((0.9 + 0.35) / 0.5))
 
@@ -150,7 +153,7 @@ def test_cost_ratio_counts_only_blocks_that_drafted():
     # a block where the n-gram drafter found no match: lookup time, no draft token
     no_match = [0, 0, 1, 0.3, 0.5]
     baseline = [make_run("a", 0, [10.0], BASE_STEPS)]
-    row = summarize_mode(baseline, [make_run("a", 4, [20.0], SPEC_STEPS + [no_match])], gamma=4)
+    row = summarize_mode(baseline, [make_run("a", 4, [20.0], SPEC_STEPS + [no_match])], num_draft_tokens=4)
     assert row["cost_ratio"] == pytest.approx((1.4 / 14) / 0.5)  # as without the empty block
     assert row["draft_time_share"] == pytest.approx(1.7 / (1.7 + 3.6 + 0.5))  # its time still counts here
 
@@ -212,14 +215,14 @@ def test_identical_draft_accepts_everything_end_to_end(same_config, tmp_path):
     record = json.loads(out)
     assert record["command"] == "benchmark" and record["partial"] is False
     assert {"environment", "config", "settings", "summary", "runs", "prompt_set"} <= set(record)
-    assert len(record["runs"]) == 2 * 3  # 2 temperatures x (baseline + 2 gammas), one prompt
+    assert len(record["runs"]) == 2 * 3  # 2 temperatures x (baseline + 2 draft lengths), one prompt
     assert all(len(r["repeats"]) == 2 for r in record["runs"])
     rows = [r for r in record["summary"] if r["group"] == "overall"]
-    assert [(r["temperature"], r["gamma"]) for r in rows] == [(0.0, 1), (0.0, 3), (1.0, 1), (1.0, 3)]
+    assert [(r["temperature"], r["num_draft_tokens"]) for r in rows] == [(0.0, 1), (0.0, 3), (1.0, 1), (1.0, 3)]
     for row in rows:
-        assert row["mean_accepted_length"] == row["gamma"] + 1
+        assert row["mean_accepted_length"] == row["num_draft_tokens"] + 1
         assert row["acceptance_rate"] == 1.0
-        assert row["acceptance_by_position"] == [1.0] * row["gamma"]
+        assert row["acceptance_by_position"] == [1.0] * row["num_draft_tokens"]
         assert row["greedy_identical"] == (row["prompts"] if row["temperature"] == 0 else None)
     folder = written_record(tmp_path, "tiny-same")
     assert json.loads((folder / "record.json").read_text())["summary"] == record["summary"]
@@ -242,7 +245,7 @@ def test_the_chart_marks_the_crossover():
         return {
             "batch_size": size,
             "temperature": 0.0,
-            "gamma": 3,
+            "num_draft_tokens": 3,
             "tree": None,
             "baseline_tokens_per_second": [100.0 * size] * 3,
             "speculative_tokens_per_second": [100.0 * size * speedup] * 3,
@@ -269,7 +272,7 @@ def test_prompt_file_multi_turn_counts_both_turns(same_config, prompt_file):
     assert code == 0, err
     record = json.loads(out)
     assert [p["category"] for p in record["prompt_set"]] == ["chat", "qa"]
-    new_tokens = {r["prompt_id"]: r["repeats"][0]["new_tokens"] for r in record["runs"] if r["gamma"] == 0}
+    new_tokens = {r["prompt_id"]: r["repeats"][0]["new_tokens"] for r in record["runs"] if r["num_draft_tokens"] == 0}
     assert new_tokens == {"1": 24, "2": 12}  # two turns of 12 tokens, one turn of 12
 
 
@@ -330,7 +333,7 @@ def test_compare_two_records(tmp_path):
     assert code == 0, err
     other = max((tmp_path / "runs").glob("*-benchmark-tiny-same*"))  # the second run of that config
     code, out, err = run_cli(str(a), str(other), "--json", "--no-record", command="compare")
-    assert code == 0 and json.loads(out)["rows"] == []  # no common (temperature, gamma)
+    assert code == 0 and json.loads(out)["rows"] == []  # no common (temperature, num_draft_tokens)
     assert len(list((tmp_path / "runs").glob("*-compare-*"))) == 1  # --no-record: no second folder, no chart
 
 
@@ -352,7 +355,7 @@ def test_token_and_block_verification_side_by_side_in_one_run(tmp_path):
     folder = written_record(tmp_path, "tiny-same")
     record = json.loads((folder / "record.json").read_text())
     # greedy verification is the same under both rules: its chain runs once; the sampled chain under each
-    modes = [(r["temperature"], r["gamma"], r["verification"]) for r in record["runs"]]
+    modes = [(r["temperature"], r["num_draft_tokens"], r["verification"]) for r in record["runs"]]
     assert modes == [(0, 0, "token"), (0, 3, "token"), (1, 0, "token"), (1, 3, "token"), (1, 3, "block")]
     overall = {mode_label(r): r for r in record["summary"] if r["group"] == "overall"}
     assert list(overall) == ["greedy, γ=3", "T=1, γ=3", "T=1, γ=3, block"]
@@ -407,7 +410,9 @@ def run_peer(config: Path, *args: str) -> dict:
 def test_hf_peer_runs_beside_specdec(tmp_path):
     record = run_peer(write_pair(tmp_path, draft={"ngram": {"max_n": 3}}), "--temperatures", "0,1")
     # plain generate() and transformers' prompt lookup, each beside specdec's speculative run
-    assert [(p["temperature"], p["engine"], p["gamma"], p["specdec_gamma"]) for p in record["peers"]] == [
+    assert [
+        (p["temperature"], p["engine"], p["num_draft_tokens"], p["specdec_num_draft_tokens"]) for p in record["peers"]
+    ] == [
         (0.0, "hf", 0, 3),
         (0.0, "hf prompt lookup", 3, 3),
         (1.0, "hf", 0, 3),
@@ -427,7 +432,7 @@ def test_hf_peer_runs_beside_specdec(tmp_path):
 
 def test_hf_peer_runs_a_draft_model_as_its_assistant(same_config):
     record = run_peer(same_config, "--temperatures", "0")
-    assert [(p["engine"], p["gamma"]) for p in record["peers"]] == [("hf", 0), ("hf assisted", 3)]
+    assert [(p["engine"], p["num_draft_tokens"]) for p in record["peers"]] == [("hf", 0), ("hf assisted", 3)]
     assert [p["greedy_identical"] for p in record["peers"]] == [1, 1]
     assert "earliest match" not in record["peer_fairness"]
 
@@ -486,7 +491,7 @@ def test_hf_peer_with_a_draft_head_of_another_size(tmp_path):
     assert code == 0, err
     assert "LM head has 258 rows and the target's 300" in " ".join(err.split())  # said before any work
     record = json.loads(out)
-    assert [(p["engine"], p["gamma"]) for p in record["peers"]] == [("hf", 0), ("hf prompt lookup", 3)]
+    assert [(p["engine"], p["num_draft_tokens"]) for p in record["peers"]] == [("hf", 0), ("hf prompt lookup", 3)]
     assert "cannot run this draft" in record["peer_fairness"]
 
 
@@ -496,9 +501,9 @@ def test_interrupt_keeps_finished_prompts():
     plan = Plan([0.0], [2], 6, repeats=1, warmup=0, ignore_eos=True, seed=0, top_k=0, top_p=1.0)
 
     def interrupt_at_second(i: int, n: int, prompt: Prompt, mode) -> None:
-        if i == 1 and mode.gamma == 2:
+        if i == 1 and mode.num_draft_tokens == 2:
             raise KeyboardInterrupt
 
     runs, partial = run_benchmark(pair, prompts, plan, interrupt_at_second)
     assert partial is True
-    assert [(r["prompt_id"], r["gamma"]) for r in runs] == [("a", 0), ("a", 2)]
+    assert [(r["prompt_id"], r["num_draft_tokens"]) for r in runs] == [("a", 0), ("a", 2)]

@@ -47,8 +47,8 @@ PROMPTS = ["Hello there, how are you?", "H", "abc abc abc abc", "Once upon a tim
 )
 def test_greedy_output_is_the_targets(kind, tmp_path, write_config):
     WRITERS[kind.split("+")[0]](tmp_path / "draft")
-    # gamma 5 > 3 heads / 3 block positions: a block drafts what the draft has, no more
-    pair = pair_of(write_config, tmp_path / "draft", gamma=5, lookup="lookup" in kind)
+    # num_draft_tokens 5 > 3 heads / 3 block positions: a block drafts what the draft has, no more
+    pair = pair_of(write_config, tmp_path / "draft", num_draft_tokens=5, lookup="lookup" in kind)
     assert isinstance(pair.drafter, MedusaDrafter if kind.startswith("medusa") else BlockDrafter)
     assert (pair.lookup is not None) == ("lookup" in kind)
     prompts = [pair.encode(p, raw=True) for p in PROMPTS]
@@ -86,8 +86,8 @@ def hand_over_another_positions_q(drafter, monkeypatch):
     position's (the first position gets the last one's)."""
     propose = drafter.propose
 
-    def broken(gamma, params, generator):
-        drafts, q = propose(gamma, params, generator)
+    def broken(num_draft_tokens, params, generator):
+        drafts, q = propose(num_draft_tokens, params, generator)
         return drafts, q.roll(1, dims=1)
 
     monkeypatch.setattr(drafter, "propose", broken)

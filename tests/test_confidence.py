@@ -21,7 +21,7 @@ from specdec_cli.pair import load_pair
 
 GREEDY = SamplingParams()
 PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown", "Once upon a time, there", "abc abc"]
-GAMMA = 4
+NUM_DRAFT_TOKENS = 4
 TREE = TreeShape(3, 2, 6)
 
 
@@ -34,7 +34,7 @@ def drafter(kind: str, target, noisy_draft, threshold: float):
 
 
 def drafted_before_the_limit(steps) -> list[int]:
-    return [s.drafted for s in steps[:-GAMMA]]  # the last blocks are cut by max_new_tokens anyway
+    return [s.drafted for s in steps[:-NUM_DRAFT_TOKENS]]  # the last blocks are cut by max_new_tokens anyway
 
 
 @pytest.mark.parametrize("kind", ["model", "feature"])
@@ -42,15 +42,19 @@ def drafted_before_the_limit(steps) -> list[int]:
 def test_greedy_output_is_the_targets_with_shorter_blocks(tiny_target, noisy_draft, tokenizer, kind, threshold):
     prompt = tokenizer.encode(PROMPTS[0])
     alone = SpeculativeDecoder(cached(tiny_target), None, GREEDY, 1, set()).generate(prompt, 48, 0)
-    always = SpeculativeDecoder(cached(tiny_target), drafter(kind, tiny_target, noisy_draft, 0), GREEDY, GAMMA, set())
+    always = SpeculativeDecoder(
+        cached(tiny_target), drafter(kind, tiny_target, noisy_draft, 0), GREEDY, NUM_DRAFT_TOKENS, set()
+    )
     stopping = SpeculativeDecoder(
-        cached(tiny_target), drafter(kind, tiny_target, noisy_draft, threshold), GREEDY, GAMMA, set()
+        cached(tiny_target), drafter(kind, tiny_target, noisy_draft, threshold), GREEDY, NUM_DRAFT_TOKENS, set()
     )
     full, short = always.generate(prompt, 48, 0), stopping.generate(prompt, 48, 0)
     assert short.token_ids == full.token_ids == alone.token_ids
-    assert set(drafted_before_the_limit(full.steps)) == {GAMMA}
+    assert set(drafted_before_the_limit(full.steps)) == {NUM_DRAFT_TOKENS}
     drafted = drafted_before_the_limit(short.steps)
-    assert 0 in drafted and any(0 < d < GAMMA for d in drafted), drafted  # stopped at the first and later tokens
+    assert 0 in drafted and any(0 < d < NUM_DRAFT_TOKENS for d in drafted), (
+        drafted
+    )  # stopped at the first and later tokens
 
 
 @pytest.mark.parametrize("shape", [None, TREE], ids=["chain", "tree"])
@@ -63,7 +67,7 @@ def test_each_row_is_its_prompt_alone(tiny_target, noisy_draft, tokenizer, kind,
     expected = [alone.generate(p, 32, 0).token_ids for p in prompts]
     drafts = drafter(kind, tiny_target, noisy_draft, 0.3)
     target = CachedModel(tiny_target, tiny_target.config.vocab_size, target_layers(drafts.model.model))
-    depth = shape.depth if shape else GAMMA
+    depth = shape.depth if shape else NUM_DRAFT_TOKENS
     decoder = SpeculativeDecoder(target, drafts, GREEDY, depth, set(), shape)
     rows = decoder.generate_batch(prompts, 32, 0)
     assert [r.token_ids for r in rows] == expected
@@ -74,7 +78,10 @@ def test_each_row_is_its_prompt_alone(tiny_target, noisy_draft, tokenizer, kind,
 
 @pytest.fixture
 def stopping_pair(write_config):
-    config = {"speculation": {"num_draft_tokens": GAMMA, "confidence_threshold": 0.3}, "runtime": {"threads": 1}}
+    config = {
+        "speculation": {"num_draft_tokens": NUM_DRAFT_TOKENS, "confidence_threshold": 0.3},
+        "runtime": {"threads": 1},
+    }
     return load_pair(load_config(str(write_config(config))))
 
 
@@ -88,7 +95,7 @@ def failing_checks(pair, params) -> list[str]:
 def test_sampled_output_is_distributed_as_the_target(stopping_pair, monkeypatch):
     params = SamplingParams(temperature=0.6)
     steps = stopping_pair.decoder(params).generate(stopping_pair.encode(PROMPTS[0]), 40, 0).steps
-    assert any(d < GAMMA for d in drafted_before_the_limit(steps))  # the checks below see shorter blocks
+    assert any(d < NUM_DRAFT_TOKENS for d in drafted_before_the_limit(steps))  # the checks below see shorter blocks
     assert failing_checks(stopping_pair, params) == []
     # the bug this guards against: stopping at a draft token because of the token drawn (its own q)
     # rather than the draft's distribution; the checks see it

@@ -30,18 +30,18 @@ def on_cuda(noise: float = 0.0, dtype: torch.dtype = torch.float32):
     return build_tiny(TinyModel(seed=0, noise=noise)).to("cuda", dtype).eval()
 
 
-def decode(target, draft, prompt_ids, params, gamma=3, seed=0, max_new=48):
+def decode(target, draft, prompt_ids, params, num_draft_tokens=3, seed=0, max_new=48):
     drafter = ModelDrafter(cached(draft)) if draft is not None else None
-    decoder = SpeculativeDecoder(cached(target), drafter, params, gamma, set())
+    decoder = SpeculativeDecoder(cached(target), drafter, params, num_draft_tokens, set())
     return decoder.generate(prompt_ids, max_new, seed)
 
 
-@pytest.mark.parametrize("gamma", [1, 4])
-def test_greedy_output_is_the_targets_on_cuda(tokenizer, gamma):
+@pytest.mark.parametrize("num_draft_tokens", [1, 4])
+def test_greedy_output_is_the_targets_on_cuda(tokenizer, num_draft_tokens):
     target, draft = on_cuda(), on_cuda(noise=0.005)
     prompt = tokenizer.encode(PROMPT)
     baseline = decode(target, None, prompt, SamplingParams())
-    result = decode(target, draft, prompt, SamplingParams(), gamma)
+    result = decode(target, draft, prompt, SamplingParams(), num_draft_tokens)
     assert result.token_ids == baseline.token_ids
     assert 0 < acceptance_rate(result.steps) < 1  # rollbacks of the static cache happened
     assert result.decode_seconds > 0 and all(s.verify_seconds > 0 for s in result.steps)  # CUDA events
@@ -49,7 +49,7 @@ def test_greedy_output_is_the_targets_on_cuda(tokenizer, gamma):
 
 def test_bfloat16_identical_draft_accepts_everything(tokenizer):
     target = on_cuda(dtype=torch.bfloat16)
-    result = decode(target, target, tokenizer.encode(PROMPT), SamplingParams(), gamma=4, max_new=20)
+    result = decode(target, target, tokenizer.encode(PROMPT), SamplingParams(), num_draft_tokens=4, max_new=20)
     assert acceptance_rate(result.steps) == 1.0
 
 

@@ -221,7 +221,10 @@ def test_bad_answer_files_are_refused(distilled, tmp_path, lines, message):
 
 def test_greedy_output_is_the_targets(distilled):
     pair = str(distilled.pair_config)
-    outputs = [generate_json("-c", pair, "--num-draft-tokens", gamma)["token_ids"] for gamma in ("3", "1")]
+    outputs = [
+        generate_json("-c", pair, "--num-draft-tokens", num_draft_tokens)["token_ids"]
+        for num_draft_tokens in ("3", "1")
+    ]
     alone = generate_json("-c", str(distilled.target_config), "--max-new-tokens", "24", "--ignore-eos")
     assert outputs[0] == outputs[1] == alone["token_ids"]
 
@@ -230,8 +233,8 @@ def test_sampled_output_is_the_targets(distilled):
     # drafts get accepted (the tiny target's greedy path may leave the draft's 96 tokens: sample)
     accepted = sum(
         generate_json("-c", str(distilled.pair_config), "--temperature", "0.8", "--seed", str(seed))["stats"][
-            "num_accepted_tokens"
-        ]
+            "vllm_counters"
+        ]["num_accepted_tokens"]
         for seed in range(5)
     )
     assert accepted > 0
@@ -252,10 +255,10 @@ def test_hf_peer_runs_what_transformers_has_beside_a_feature_draft(distilled):
     peer = runner.invoke(app, ["benchmark", "-c", str(distilled.pair_config), *options])
     assert peer.exit_code == 0, peer.output
     record = json.loads(peer.stdout)
-    [gamma] = record["settings"]["gammas"]
-    assert [(p["engine"], p["gamma"], p["specdec_gamma"]) for p in record["peers"]] == [
-        ("hf", 0, gamma),
-        ("hf prompt lookup", gamma, gamma),
+    [num_draft_tokens] = record["settings"]["num_draft_tokens_list"]
+    assert [(p["engine"], p["num_draft_tokens"], p["specdec_num_draft_tokens"]) for p in record["peers"]] == [
+        ("hf", 0, num_draft_tokens),
+        ("hf prompt lookup", num_draft_tokens, num_draft_tokens),
     ]
     for row in record["peers"]:
         assert row["peer_tokens_per_second"][0] > 0 and row["specdec_tokens_per_second"][0] > 0
@@ -333,8 +336,8 @@ def test_flags_override_the_yaml_only_when_given(write_config):
     assert configure(config, runtime__dtype=None).runtime.dtype == "float32"  # no flag: the YAML's
     assert configure(config, runtime__dtype="bfloat16").runtime.dtype == "bfloat16"
     pair = load_pair(load_config(config))
-    assert pair.decoder(SamplingParams(), num_draft_tokens=0).gamma == 0  # an explicit 0 is not "not given"
-    assert pair.decoder(SamplingParams()).gamma == 3
+    assert pair.decoder(SamplingParams(), num_draft_tokens=0).num_draft_tokens == 0  # an explicit 0 is not "not given"
+    assert pair.decoder(SamplingParams()).num_draft_tokens == 3
 
 
 def test_kept_target_states_extend_with_the_corpus(tiny_target, tmp_path, monkeypatch):

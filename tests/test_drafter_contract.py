@@ -62,8 +62,8 @@ class Checked(Drafter):
         self.context = [len(p) for p in prompts]
         self.check()
 
-    def propose(self, gamma, params, generator):
-        return self.inner.propose(gamma, params, generator)
+    def propose(self, num_draft_tokens, params, generator):
+        return self.inner.propose(num_draft_tokens, params, generator)
 
     def commit(self, draft_ids, num_accepted, next_tokens, target_states):
         self.inner.commit(draft_ids, num_accepted, next_tokens, target_states)

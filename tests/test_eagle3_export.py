@@ -202,12 +202,12 @@ def test_held_out_expected_acceptance_is_what_drafting_accepts(exported, tmp_pat
     assert measured == pytest.approx(sum(overlaps) / len(overlaps), abs=2e-3)
 
 
-def drafts(pair, prompt_ids: list[int], params: SamplingParams, gamma: int = 3):
+def drafts(pair, prompt_ids: list[int], params: SamplingParams, num_draft_tokens: int = 3):
     """The pair's draft tokens and q for one block after the prompt, driven as the engine drives it."""
-    pair.target.reset(len(prompt_ids) + gamma + 1)
+    pair.target.reset(len(prompt_ids) + num_draft_tokens + 1)
     states = pair.target.forward(torch.tensor([prompt_ids]), hidden=True).hidden
-    pair.drafter.start([prompt_ids], len(prompt_ids) + gamma + 1, states)
-    tokens, q = pair.drafter.propose(gamma, params, torch.Generator().manual_seed(0))
+    pair.drafter.start([prompt_ids], len(prompt_ids) + num_draft_tokens + 1, states)
+    tokens, q = pair.drafter.propose(num_draft_tokens, params, torch.Generator().manual_seed(0))
     return tokens[0].tolist(), q
 
 
@@ -234,7 +234,10 @@ def test_it_loads_back_and_drafts_what_the_trained_draft_drafted(exported, capsy
 
 
 def test_greedy_output_is_the_targets(exported):
-    outputs = [generate_json("-c", str(exported.pair_config), "--num-draft-tokens", gamma) for gamma in ("3", "1")]
+    outputs = [
+        generate_json("-c", str(exported.pair_config), "--num-draft-tokens", num_draft_tokens)
+        for num_draft_tokens in ("3", "1")
+    ]
     alone = generate_json("-c", str(exported.target_config), "--max-new-tokens", "24", "--ignore-eos")
     assert outputs[0]["token_ids"] == outputs[1]["token_ids"] == alone["token_ids"]
     assert outputs[0]["draft"] == "eagle3 draft, reads the target's hidden states [1, 2, 3]"

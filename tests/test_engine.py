@@ -31,32 +31,32 @@ def target_only(model, prompt_ids, max_new, params=GREEDY, seed=0, eos=frozenset
     return decoder.generate(prompt_ids, max_new, seed)
 
 
-def speculative(target, draft, prompt_ids, max_new, gamma, params=GREEDY, seed=0, eos=frozenset()):
+def speculative(target, draft, prompt_ids, max_new, num_draft_tokens, params=GREEDY, seed=0, eos=frozenset()):
     drafter = (
         ModelDrafter(cached(draft))
         if draft is not None
         else NgramDrafter(3, 1, target.config.vocab_size, torch.device("cpu"))
     )
-    decoder = SpeculativeDecoder(cached(target), drafter, params, gamma, set(eos))
+    decoder = SpeculativeDecoder(cached(target), drafter, params, num_draft_tokens, set(eos))
     return decoder.generate(prompt_ids, max_new, seed)
 
 
-@pytest.mark.parametrize("gamma", [1, 2, 4, 7])
-def test_identical_draft_accepts_everything(tiny_target, tokenizer, gamma):
+@pytest.mark.parametrize("num_draft_tokens", [1, 2, 4, 7])
+def test_identical_draft_accepts_everything(tiny_target, tokenizer, num_draft_tokens):
     prompt = tokenizer.encode(PROMPT)
-    max_new = 4 * (gamma + 1)
+    max_new = 4 * (num_draft_tokens + 1)
     baseline = target_only(tiny_target, prompt, max_new)
-    result = speculative(tiny_target, tiny_target, prompt, max_new, gamma)
+    result = speculative(tiny_target, tiny_target, prompt, max_new, num_draft_tokens)
     assert result.token_ids == baseline.token_ids
-    assert mean_accepted_length(result.steps) == gamma + 1
+    assert mean_accepted_length(result.steps) == num_draft_tokens + 1
     assert acceptance_rate(result.steps) == 1.0
 
 
-@pytest.mark.parametrize("gamma", [1, 3, 5])
-def test_greedy_output_is_the_targets_with_a_different_draft(tiny_target, noisy_draft, tokenizer, gamma):
+@pytest.mark.parametrize("num_draft_tokens", [1, 3, 5])
+def test_greedy_output_is_the_targets_with_a_different_draft(tiny_target, noisy_draft, tokenizer, num_draft_tokens):
     prompt = tokenizer.encode(PROMPT)
     baseline = target_only(tiny_target, prompt, 48)
-    result = speculative(tiny_target, noisy_draft, prompt, 48, gamma)
+    result = speculative(tiny_target, noisy_draft, prompt, 48, num_draft_tokens)
     assert result.token_ids == baseline.token_ids
     rate = acceptance_rate(result.steps)
     assert 0 < rate < 1  # some drafts rejected: rollback and catch-up paths were exercised
@@ -82,7 +82,7 @@ def test_sampling_is_reproducible_with_a_seed(tiny_target, noisy_draft, tokenize
 
 @pytest.mark.parametrize("max_new", [1, 2, 5, 9, 10])
 def test_never_more_than_max_new_tokens(tiny_target, tokenizer, max_new):
-    result = speculative(tiny_target, tiny_target, tokenizer.encode(PROMPT), max_new, gamma=4)
+    result = speculative(tiny_target, tiny_target, tokenizer.encode(PROMPT), max_new, num_draft_tokens=4)
     assert len(result.token_ids) == max_new
     assert result.stop_reason == "length"
 
@@ -92,8 +92,8 @@ def test_nothing_after_eos(tiny_target, tokenizer):
     free_run = target_only(tiny_target, prompt, 30).token_ids
     eos = free_run[5]  # pretend the 6th greedy token is EOS: it lands inside a block
     cut = free_run.index(eos) + 1
-    for gamma in (2, 4):
-        result = speculative(tiny_target, tiny_target, prompt, 30, gamma, eos={eos})
+    for num_draft_tokens in (2, 4):
+        result = speculative(tiny_target, tiny_target, prompt, 30, num_draft_tokens, eos={eos})
         assert result.token_ids == free_run[:cut]
         assert result.stop_reason == "eos"
     assert target_only(tiny_target, prompt, 30, eos={eos}).token_ids == free_run[:cut]

@@ -323,8 +323,8 @@ def test_greedy_output_is_the_targets(pair_config, tmp_path):
     kind, config, layers = pair_config
     alone = write_pair(tmp_path, None, "alone.yaml", draft={"ngram": {}})
     expected, _ = generate_json(alone)
-    for gamma in ("1", "3"):
-        record, stderr = generate_json(config, "--num-draft-tokens", gamma)
+    for num_draft_tokens in ("1", "3"):
+        record, stderr = generate_json(config, "--num-draft-tokens", num_draft_tokens)
         assert record["token_ids"] == expected["token_ids"]
         assert record["draft"] == f"{kind} draft, reads the target's {layers}"
         assert f"Draft: {record['draft']}" in stderr

@@ -13,8 +13,8 @@ from torch._dynamo.utils import counters
 from specdec_cli.decoding.cache import CachedModel
 from specdec_cli.decoding.engine import SpeculativeDecoder
 from specdec_cli.decoding.params import SamplingParams, TreeShape
-from specdec_cli.methods.feature.draft import drafting as feature_drafting
 from specdec_cli.methods.feature.draft import init_draft
+from specdec_cli.methods.feature.draft import wire as wire_feature_draft
 from specdec_cli.methods.lookup import LookupFirstDrafter
 from specdec_cli.methods.model import ModelDrafter
 from specdec_cli.methods.ngram import NgramDrafter
@@ -85,7 +85,7 @@ def pair(kind: str, target, draft, graphs: bool):
     """The target's CachedModel, the drafter of `kind`, and every CachedModel in them."""
     vocab, cpu = target.config.vocab_size, torch.device("cpu")
     if kind == "feature":
-        feature = feature_drafting(init_draft(target, 1, torch.arange(vocab)).eval(), vocab, 0.0, graphs)
+        feature = wire_feature_draft(init_draft(target, 1, torch.arange(vocab)).eval(), vocab, 0.0, graphs)
         cached_target = CachedModel(target, vocab, feature.state_layers, graphs=graphs)
         return cached_target, feature.drafter, [cached_target, feature.drafter.model]
     cached_target, cached_draft = CachedModel(target, vocab, graphs=graphs), CachedModel(draft, vocab, graphs=graphs)

@@ -101,29 +101,29 @@ def test_greedy_trees_are_the_targets(tiny_target, tokenizer, kind):
         assert drafter.by_lookup > 0 and drafter.by_model > 0  # both sides drafted, and followed each other
 
 
-def lookup_pair(lookup_tokens: int | None, gamma: int, tree: dict | None = None):
+def lookup_pair(lookup_tokens: int | None, num_draft_tokens: int, tree: dict | None = None):
     lookup = {"min_n": 2, **({} if lookup_tokens is None else {"num_draft_tokens": lookup_tokens})}
     config = parse_config(
         {
             **TINY_PAIR,
             "draft": {"tiny": {"seed": 0, "noise": 0.005}, "lookup": lookup},
-            "speculation": {"num_draft_tokens": gamma, **({} if tree is None else {"tree": tree})},
+            "speculation": {"num_draft_tokens": num_draft_tokens, **({} if tree is None else {"tree": tree})},
             "runtime": {"device": "cpu", "dtype": "float32", "threads": 1},
         }
     )
     return load_pair(config)
 
 
-@pytest.mark.parametrize("lookup_tokens, gamma", [(6, 2)])
-def test_sampled_output_is_the_targets_where_each_side_drafts_its_own_length(lookup_tokens, gamma):
-    pair = lookup_pair(lookup_tokens, gamma)
+@pytest.mark.parametrize("lookup_tokens, num_draft_tokens", [(6, 2)])
+def test_sampled_output_is_the_targets_where_each_side_drafts_its_own_length(lookup_tokens, num_draft_tokens):
+    pair = lookup_pair(lookup_tokens, num_draft_tokens)
     assert isinstance(pair.decoder(SamplingParams()).drafter, LookupFirstDrafter)
     ids = pair.encode(PROMPT)
     rows = checks.check_model(pair, ids, "p", SamplingParams(temperature=0.8), 300, seed=0, significance=0.01)
     statistics.holm(rows, 0.01)
     assert [r.what for r in rows if r.status == statistics.FAIL] == []
     # checks 3 and 4 cover the longest block, lookup's where it is the longer
-    longest = max(gamma, lookup_tokens or 0)
+    longest = max(num_draft_tokens, lookup_tokens or 0)
     status = {r.check: r.status for r in rows}
     assert f"3 position {longest + 1}" in status and status[f"4 tokens 1-{longest + 1}"] == statistics.PASS
 
@@ -131,8 +131,11 @@ def test_sampled_output_is_the_targets_where_each_side_drafts_its_own_length(loo
 def test_lookup_blocks_draft_their_own_length():
     """Lookup 6 tokens, the model 2: each side's greedy blocks reach their own length, no further,
     and the output stays the target's."""
-    pair = lookup_pair(lookup_tokens=6, gamma=2)
-    assert pair.decoder(SamplingParams()).gamma == 6 and pair.decoder(SamplingParams(), num_draft_tokens=8).gamma == 8
+    pair = lookup_pair(lookup_tokens=6, num_draft_tokens=2)
+    assert (
+        pair.decoder(SamplingParams()).num_draft_tokens == 6
+        and pair.decoder(SamplingParams(), num_draft_tokens=8).num_draft_tokens == 8
+    )
     ids = pair.encode(PROMPT)
     assert checks.check_greedy(pair, ids, "p", 48, seed=0).status == statistics.PASS
     decoder = pair.decoder(SamplingParams())

@@ -18,7 +18,7 @@ from specdec_cli.decoding.metrics import (
     vllm_mean_acceptance_length,
 )
 
-# gamma = 4. Block 1 accepts everything (+ bonus), blocks 2-3 are cut by a rejection
+# num_draft_tokens = 4. Block 1 accepts everything (+ bonus), blocks 2-3 are cut by a rejection
 # (+ recovered token), block 4 drafted only 2 and the max-new-tokens limit dropped the extra token.
 STEPS = [
     StepRecord(drafted=4, accepted=4, emitted=5, draft_seconds=0.4, verify_seconds=1.0),
@@ -54,7 +54,7 @@ def test_acceptance_by_position():
     assert acceptance_by_position(STEPS, 4) == [1.0, 0.75, 1 / 3, 1 / 3]
     assert acceptance_by_position(STEPS, 5)[4] is None
     assert acceptance_by_position(TARGET_ONLY, 2) == [None, None]
-    # blocks longer than gamma (prompt lookup ahead of a 2-token draft model) extend the positions
+    # blocks longer than num_draft_tokens (prompt lookup ahead of a 2-token draft model) extend the positions
     assert acceptance_by_position(STEPS, 2) == [1.0, 0.75, 1 / 3, 1 / 3]
 
 
@@ -105,7 +105,7 @@ def test_predicted_speedup_hand_values():
     assert predicted_speedup(0.5, 2, 0.1) == pytest.approx(0.875 / 0.6)
     # c = 0: (1 - 0.8^4) / 0.2 = 0.5904 / 0.2
     assert predicted_speedup(0.8, 3, 0.0) == pytest.approx(2.952)
-    # nothing accepted: one token per (gamma * c + 1) time units
+    # nothing accepted: one token per (num_draft_tokens * c + 1) time units
     assert predicted_speedup(0.0, 4, 0.25) == 0.5
 
 
@@ -115,9 +115,9 @@ def test_predicted_speedup_alpha_one_limit():
 
 
 def test_predicted_speedup_matches_paper_formula():
-    alpha, gamma, c = 0.73, 5, 0.05
-    paper = (1 - alpha ** (gamma + 1)) / ((1 - alpha) * (gamma * c + 1))
-    assert predicted_speedup(alpha, gamma, c) == pytest.approx(paper, rel=1e-12)
+    alpha, num_draft_tokens, c = 0.73, 5, 0.05
+    paper = (1 - alpha ** (num_draft_tokens + 1)) / ((1 - alpha) * (num_draft_tokens * c + 1))
+    assert predicted_speedup(alpha, num_draft_tokens, c) == pytest.approx(paper, rel=1e-12)
 
 
 @pytest.mark.parametrize("alpha", [-0.1, 1.1, math.nan])

@@ -218,12 +218,12 @@ def test_a_draft_over_a_vocabulary_subset_draws_from_the_same_q(params):
 
 class Chain:
     """A target p and a draft q over a small vocabulary whose next-token distributions depend on the whole
-    prefix: one random row per prefix of up to gamma tokens, float64."""
+    prefix: one random row per prefix of up to num_draft_tokens tokens, float64."""
 
-    def __init__(self, vocab: int, gamma: int, seed: int, scale: float = 1.5):
-        self.vocab, self.gamma = vocab, gamma
+    def __init__(self, vocab: int, num_draft_tokens: int, seed: int, scale: float = 1.5):
+        self.vocab, self.num_draft_tokens = vocab, num_draft_tokens
         g = torch.Generator().manual_seed(seed)
-        prefixes = sum(vocab**n for n in range(gamma + 1))
+        prefixes = sum(vocab**n for n in range(num_draft_tokens + 1))
         self.p, self.q = (
             (torch.randn(prefixes, vocab, generator=g, dtype=torch.float64) * scale).softmax(-1) for _ in "pq"
         )
@@ -258,10 +258,10 @@ def stop_probabilities(h: torch.Tensor) -> torch.Tensor:
 
 
 def exact_block_law(chain: Chain) -> tuple[torch.Tensor, torch.Tensor]:
-    """(P, p) over every sequence of gamma + 1 tokens: the law of block verification's output, continued
+    """(P, p) over every sequence of num_draft_tokens + 1 tokens: the law of block verification's output, continued
     by the target after it, summed over every draft chain from `sampling.block_acceptance`; and the
     target's own law."""
-    g = chain.gamma
+    g = chain.num_draft_tokens
     drafts, sequences = chain.sequences(g), chain.sequences(g + 1)  # [N, g], [S, g + 1]
     draft_probs, target_probs = chain.inputs(drafts)
     h, leftover = sampling.block_acceptance(drafts, draft_probs, target_probs)
@@ -279,9 +279,9 @@ def exact_block_law(chain: Chain) -> tuple[torch.Tensor, torch.Tensor]:
 
 def block_draws(chain: Chain, n: int, seed: int) -> torch.Tensor:
     """n runs of `sampling.verify_block` on draft chains drawn from q, each output continued by the
-    target to gamma + 1 tokens; counts per sequence (in `Chain.sequences` order)."""
+    target to num_draft_tokens + 1 tokens; counts per sequence (in `Chain.sequences` order)."""
     generator = torch.Generator().manual_seed(seed)
-    g, vocab = chain.gamma, chain.vocab
+    g, vocab = chain.num_draft_tokens, chain.vocab
     chains = chain.sequences(g)
     drafts = chains[sample(chain.probability(chain.q, chains).prod(-1).expand(n, -1), generator)]  # [n, g] from q
     num_accepted, next_token = sampling.verify_block(drafts, *chain.inputs(drafts), generator)
@@ -294,11 +294,15 @@ def block_draws(chain: Chain, n: int, seed: int) -> torch.Tensor:
     return torch.bincount((output * place).sum(-1), minlength=vocab ** (g + 1))
 
 
-CHAINS = [Chain(vocab=3, gamma=3, seed=0), Chain(vocab=4, gamma=2, seed=1), Chain(vocab=2, gamma=4, seed=2, scale=3)]
+CHAINS = [
+    Chain(vocab=3, num_draft_tokens=3, seed=0),
+    Chain(vocab=4, num_draft_tokens=2, seed=1),
+    Chain(vocab=2, num_draft_tokens=4, seed=2, scale=3),
+]
 
 
 def chain_id(chain: Chain) -> str:
-    return f"V={chain.vocab},g={chain.gamma}"
+    return f"V={chain.vocab},g={chain.num_draft_tokens}"
 
 
 def exact_failures() -> list[str]:
@@ -333,18 +337,18 @@ def test_the_block_draws_catch_a_broken_draw(monkeypatch, broken):
 
 def expected_accepted(chain: Chain) -> tuple[float, float]:
     """Exact expected drafts kept per block over every draft chain: (token verification, block verification)."""
-    drafts = chain.sequences(chain.gamma)
+    drafts = chain.sequences(chain.num_draft_tokens)
     q = chain.probability(chain.q, drafts)  # [N, g]
     weight = q.prod(-1)
     token = (chain.probability(chain.p, drafts) / q).clamp_max(1).cumprod(-1).sum(-1)  # sum_i P(keep x_1..x_i)
     h, _ = sampling.block_acceptance(drafts, *chain.inputs(drafts))
-    block = stop_probabilities(h) @ torch.arange(chain.gamma + 1, dtype=torch.float64)
+    block = stop_probabilities(h) @ torch.arange(chain.num_draft_tokens + 1, dtype=torch.float64)
     return float(weight @ token), float(weight @ block)
 
 
 def test_block_verification_keeps_the_papers_11_9_where_token_keeps_10_9():
     # Sun et al.'s example: p = (1/3, 2/3), q = (2/3, 1/3) at every position, 2 drafts
-    chain = Chain(vocab=2, gamma=2, seed=0)
+    chain = Chain(vocab=2, num_draft_tokens=2, seed=0)
     chain.p[:], chain.q[:] = (
         torch.tensor([1 / 3, 2 / 3], dtype=torch.float64),
         torch.tensor([2 / 3, 1 / 3], dtype=torch.float64),
@@ -360,10 +364,10 @@ def test_block_verification_keeps_the_papers_11_9_where_token_keeps_10_9():
 def test_block_verification_keeps_at_least_as_many_drafts_as_token_verification():
     gains = []
     for seed in range(40):
-        chain = Chain(vocab=2 + seed % 3, gamma=1 + seed % 4, seed=seed, scale=0.5 + seed % 5)
+        chain = Chain(vocab=2 + seed % 3, num_draft_tokens=1 + seed % 4, seed=seed, scale=0.5 + seed % 5)
         token, block = expected_accepted(chain)
         assert block >= token - 1e-12, seed
-        if chain.gamma == 1:  # one draft: the two rules are the same
+        if chain.num_draft_tokens == 1:  # one draft: the two rules are the same
             assert block == pytest.approx(token, abs=1e-12)
         else:
             gains.append(block - token)
@@ -372,7 +376,7 @@ def test_block_verification_keeps_at_least_as_many_drafts_as_token_verification(
 
 def test_a_position_not_drafted_ends_the_block():
     """-1 with q = 0 at the second position: the block is the first draft alone, bonus included."""
-    chain = Chain(vocab=4, gamma=2, seed=3)
+    chain = Chain(vocab=4, num_draft_tokens=2, seed=3)
     drafts = chain.sequences(2)[::5]  # a few chains
     draft_probs, target_probs = chain.inputs(drafts)
     cut_probs = draft_probs.clone()

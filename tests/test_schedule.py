@@ -17,8 +17,8 @@ from specdec_cli.decoding.drafter import Drafter
 from specdec_cli.decoding.engine import SpeculativeDecoder
 from specdec_cli.decoding.params import BatchSchedule, SamplingParams
 from specdec_cli.errors import SpecdecError
-from specdec_cli.methods.feature.draft import drafting as feature_drafting
 from specdec_cli.methods.feature.draft import init_draft
+from specdec_cli.methods.feature.draft import wire as wire_feature_draft
 from specdec_cli.pair import load_pair
 from specdec_cli.vllm_engine.settings import speculative_config, vllm_schedule
 
@@ -76,7 +76,7 @@ def scheduled_pair(kind: str, write_config, tmp_path, tiny_target, schedule: lis
     """(the target's CachedModel, the drafter) of `kind`, as the assembly builds it, with `schedule`."""
     if kind == "feature":  # no config names a feature draft built in the test: built as the assembly does
         vocab = tiny_target.config.vocab_size
-        feature = feature_drafting(init_draft(tiny_target, 1, torch.arange(vocab)).eval(), vocab, 0.0, False)
+        feature = wire_feature_draft(init_draft(tiny_target, 1, torch.arange(vocab)).eval(), vocab, 0.0, False)
         decoder = SpeculativeDecoder(
             CachedModel(tiny_target, vocab, feature.state_layers),
             feature.drafter,
@@ -118,9 +118,9 @@ class Counting(Drafter):
         self.rows = len(prompts)
         self.inner.start(prompts, max_tokens, target_states)
 
-    def propose(self, gamma, params, generator):
-        self.proposed_at.append((self.rows, gamma))
-        return self.inner.propose(gamma, params, generator)
+    def propose(self, num_draft_tokens, params, generator):
+        self.proposed_at.append((self.rows, num_draft_tokens))
+        return self.inner.propose(num_draft_tokens, params, generator)
 
     def commit(self, *block):
         self.inner.commit(*block)
@@ -155,7 +155,9 @@ def test_rows_leaving_change_the_block_length_and_the_output_stays_the_targets(
     # drafted where the schedule says so, at its length; followed the target alone elsewhere
     tokens = BatchSchedule.parse(schedule).tokens
     # (shorter only near the token limit, where the block's own token needs one of the remaining slots)
-    assert counting.proposed_at[0][1] == 3 and all(0 < gamma <= tokens(rows) for rows, gamma in counting.proposed_at)
+    assert counting.proposed_at[0][1] == 3 and all(
+        0 < num_draft_tokens <= tokens(rows) for rows, num_draft_tokens in counting.proposed_at
+    )
     assert {tokens(rows) for rows in counting.followed_at[:-1]} == {0}
     assert len(set(rows for rows, _ in counting.proposed_at) | set(counting.followed_at)) >= 3
 

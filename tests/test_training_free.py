@@ -185,8 +185,8 @@ def test_a_q_that_is_not_the_drafts_one_hot_is_caught(kind, write_config, monkey
     pair = pair_of(write_config, kind)
     propose = pair.drafter.propose
 
-    def unsure(gamma, params, generator):
-        tokens, q = propose(gamma, params, generator)
+    def unsure(num_draft_tokens, params, generator):
+        tokens, q = propose(num_draft_tokens, params, generator)
         return tokens, None if q is None else 0.3 * q + 0.7 / q.shape[-1] * (tokens >= 0)[..., None]
 
     monkeypatch.setattr(pair.drafter, "propose", unsure)

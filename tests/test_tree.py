@@ -723,7 +723,7 @@ def test_benchmark_measures_chains_and_trees_side_by_side(write_config, tmp_path
     result = runner.invoke(app, args + ["--batch-sizes", "2", "--category", "qa", "--limit", "2", "--json"])
     assert result.exit_code == 0, result.output
     record = json.loads(result.stdout)
-    assert [(r["temperature"], r["gamma"], r["tree"]) for r in record["runs"][:3]] == [
+    assert [(r["temperature"], r["num_draft_tokens"], r["tree"]) for r in record["runs"][:3]] == [
         (0.0, 0, None),
         (0.0, 2, None),
         (0.0, 3, "3,1,3"),

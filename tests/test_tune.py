@@ -93,7 +93,8 @@ def test_tune_keeps_the_measured_best_at_every_batch_size_and_temperature(tuned)
         runs = [
             r
             for r in record["batch_runs"]
-            if (r["batch_size"], r["gamma"], r["temperature"]) == (seen["batch_size"], 3, seen["temperature"])
+            if (r["batch_size"], r["num_draft_tokens"], r["temperature"])
+            == (seen["batch_size"], 3, seen["temperature"])
         ]
         assert len({p for r in runs for p in r["prompt_ids"]}) == 3
         full = [s for r in runs for rep in r["repeats"] for s in rep["steps"]]
@@ -150,7 +151,7 @@ def test_a_spent_budget_keeps_the_predictions(write_config, prompts):
     """The full drafting's run and the probes always run (they predict); the budget stops the finalists."""
     record = greedy_tune(write_config(), prompts, "--budget-minutes", "0")
     assert record["partial"]
-    assert {(r["batch_size"], r["gamma"]) for r in record["batch_runs"]} == {(1, 3)}
+    assert {(r["batch_size"], r["num_draft_tokens"]) for r in record["batch_runs"]} == {(1, 3)}
     for choice in record["choices"]:
         assert choice["measured"] == {}  # the target alone never ran: nothing to set the full drafting against
         predicted = {int(k): v for k, v in choice["predicted"].items()}

@@ -58,15 +58,15 @@ def broken_verify_sampled(inverted_ratio: bool = False, bonus_from_last_draft: b
     position's distribution instead of the position after it."""
 
     def verify_sampled(draft_tokens, draft_probs, target_probs, generator):
-        batch, gamma = draft_tokens.shape
-        p = target_probs[:, :gamma].gather(-1, draft_tokens[..., None])[..., 0].double()
+        batch, num_draft_tokens = draft_tokens.shape
+        p = target_probs[:, :num_draft_tokens].gather(-1, draft_tokens[..., None])[..., 0].double()
         q = draft_probs.gather(-1, draft_tokens[..., None])[..., 0].double()
-        u = torch.rand(batch, gamma, dtype=torch.float64, generator=generator)
+        u = torch.rand(batch, num_draft_tokens, dtype=torch.float64, generator=generator)
         passed = (u * p < q) if inverted_ratio else (u * q < p) & (q > 0)
         num_accepted = sampling.accepted_prefix_length(passed)
-        bonus_at = gamma - 1 if bonus_from_last_draft and gamma else gamma
+        bonus_at = num_draft_tokens - 1 if bonus_from_last_draft and num_draft_tokens else num_draft_tokens
         bonus = target_probs[:, bonus_at : bonus_at + 1]
-        candidates = torch.cat([sampling.residual(target_probs[:, :gamma], draft_probs), bonus], 1)
+        candidates = torch.cat([sampling.residual(target_probs[:, :num_draft_tokens], draft_probs), bonus], 1)
         return num_accepted, sampling.sample(candidates[torch.arange(batch), num_accepted], generator)
 
     return verify_sampled
@@ -81,8 +81,8 @@ def report_q_at_squared_temperature(monkeypatch) -> None:
     """The draft samples its tokens at T but reports q warped at T^2 to the acceptance test."""
     propose = ModelDrafter.propose
 
-    def broken(self, gamma, params, generator):
-        tokens, q = propose(self, gamma, params, generator)
+    def broken(self, num_draft_tokens, params, generator):
+        tokens, q = propose(self, num_draft_tokens, params, generator)
         if q is None:  # greedy: no q to misreport
             return tokens, q
         return tokens, (q.log() / params.temperature).softmax(-1)  # softmax(logits / T^2)
@@ -120,8 +120,8 @@ def misreport_q_after_the_first_block(monkeypatch) -> None:
         self.proposals = 0
         start(self, *args)
 
-    def broken(self, gamma, params, generator):
-        tokens, q = propose(self, gamma, params, generator)
+    def broken(self, num_draft_tokens, params, generator):
+        tokens, q = propose(self, num_draft_tokens, params, generator)
         self.proposals += 1
         return tokens, q if self.proposals == 1 else (q.log() / params.temperature).softmax(-1)
 
@@ -330,7 +330,7 @@ def test_model_checks_fail_on_broken_engines(pair, monkeypatch, inject):
 @pytest.mark.parametrize("inject", [rollback_after_full_acceptance, misreport_q_after_the_first_block])
 def test_model_checks_catch_a_bug_after_the_first_block(pair, monkeypatch, inject):
     inject(monkeypatch)
-    assert failing(model_rows(pair, blocks=1)) == []  # the first gamma + 1 tokens are still exact
+    assert failing(model_rows(pair, blocks=1)) == []  # the first num_draft_tokens + 1 tokens are still exact
     assert failing(model_rows(pair)) == [
         "p: every run's tokens 5-8, ranked in the target's distribution after the run's own prefix (uniform if exact)"
     ]

@@ -272,10 +272,10 @@ def has_vllm() -> bool:
 def test_vllms_ngram_counters_agree_with_its_steps_and_its_greedy_tokens_are_the_targets():
     cfg = parse_config(VLLM_TINY)
     pair = load_pair(cfg)
-    gamma, tokens = cfg.speculation.num_draft_tokens, cfg.generation.max_new_tokens
+    num_draft_tokens, tokens = cfg.speculation.num_draft_tokens, cfg.generation.max_new_tokens
     target_alone = pair.decoder(SamplingParams(), speculative=False)
     steps, counters = [], {}
-    with VllmWorker(engine_settings(cfg, "float32", speculative_config(cfg.draft, gamma))) as worker:
+    with VllmWorker(engine_settings(cfg, "float32", speculative_config(cfg.draft, num_draft_tokens))) as worker:
         for text in PROMPTS:
             ids = pair.encode(text)
             reply = worker.generate([ids], sampling(SamplingParams(), 0, tokens, pair.eos_token_ids, True))
@@ -290,8 +290,8 @@ def test_vllms_ngram_counters_agree_with_its_steps_and_its_greedy_tokens_are_the
     assert counters["vllm:spec_decode_num_drafts"] == len(drafting)
     assert counters["vllm:spec_decode_num_draft_tokens"] == sum(s.drafted for s in steps)
     assert counters["vllm:spec_decode_num_accepted_tokens"] == sum(s.accepted for s in steps)
-    by_position = acceptance_by_position(steps, gamma)
-    reached = [sum(s.drafted >= i for s in steps) for i in range(1, gamma + 1)]
+    by_position = acceptance_by_position(steps, num_draft_tokens)
+    reached = [sum(s.drafted >= i for s in steps) for i in range(1, num_draft_tokens + 1)]
     accepted = counters["vllm:spec_decode_num_accepted_tokens_per_pos"]
     assert [a / n if n else None for a, n in zip(accepted, reached)] == pytest.approx(by_position)
 
@@ -302,7 +302,7 @@ def test_benchmark_peer_vllm_gives_specdecs_greedy_tokens(files, tmp_path):
     code, out, err = benchmark(*files, "--peer", "vllm", "--json")
     assert code == 0, err
     record = json.loads(out)
-    peers = {(r["engine"], r["gamma"]): r for r in record["peers"]}
+    peers = {(r["engine"], r["num_draft_tokens"]): r for r in record["peers"]}
     assert set(peers) == {("vllm", 0), ("vllm", 3)}
     for row in peers.values():
         assert row["greedy_identical"] == len(PROMPTS)  # float32, batch 1: token for token
@@ -318,13 +318,13 @@ def test_benchmark_peer_vllm_gives_specdecs_greedy_tokens(files, tmp_path):
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not has_vllm(), reason="vLLM is not set up: specdec setup-vllm")
-def test_benchmark_in_vllm_records_the_engine_and_batches_on_each_gammas_engine(files):
+def test_benchmark_in_vllm_records_the_engine_and_batches_on_each_num_draft_tokens_engine(files):
     code, out, err = benchmark(*files, "--engine", "vllm", "--batch-sizes", "3", "--json")
     assert code == 0, err
     record = json.loads(out)
     assert record["engine"] == "vllm" and record["environment"]["engine"] == "vllm"
     assert record["environment"]["tensor_parallel_size"] == record["environment"]["pipeline_parallel_size"] == 1
-    assert {(r["engine"], r["gamma"]) for r in record["runs"]} == {("vllm", 0), ("vllm", 3)}
+    assert {(r["engine"], r["num_draft_tokens"]) for r in record["runs"]} == {("vllm", 0), ("vllm", 3)}
     [overall] = [r for r in record["summary"] if r["group"] == "overall"]
     assert overall["greedy_identical"] == len(PROMPTS) and overall["mean_accepted_length"] > 1
     batches = {r["batch_size"]: r for r in record["batch_summary"]}
@@ -387,7 +387,7 @@ def test_an_eagle3_export_drafts_in_vllm_with_specdecs_greedy_tokens(layout, fil
     pair.write_text(yaml.safe_dump({**VLLM_TINY, "target": {"tiny": target}, "draft": {"checkpoint": str(out)}}))
     code, out_text, err = benchmark(pair, files[1], "--peer", "vllm", "--warmup", "0", "--json")
     assert code == 0, err
-    speculative = next(r for r in json.loads(out_text)["peers"] if r["engine"] == "vllm" and r["gamma"])
+    speculative = next(r for r in json.loads(out_text)["peers"] if r["engine"] == "vllm" and r["num_draft_tokens"])
     assert speculative["greedy_identical"] == len(PROMPTS)
     assert speculative["peer_acceptance_by_position"] is not None  # vLLM's eagle3 drafted
 
@@ -399,7 +399,7 @@ SMOLLM2_PROMPTS = [
     "What is the capital of France?",
     "Write a short poem about the sea.",
 ]
-GAMMA = 4
+NUM_DRAFT_TOKENS = 4
 
 
 def smollm2(name: str):
@@ -424,7 +424,7 @@ def test_smollm2_in_vllm_gives_specdecs_greedy_tokens_alone_and_batched(drafting
     pair = load_pair(cfg)
     encoded = [pair.encode(text) for text in SMOLLM2_PROMPTS]
     ours = [pair.decoder(SamplingParams(), speculative=False).generate(ids, 32, 0, ignore_eos=True) for ids in encoded]
-    speculative = speculative_config(cfg.draft, GAMMA) if drafting else None
+    speculative = speculative_config(cfg.draft, NUM_DRAFT_TOKENS) if drafting else None
     with VllmWorker(engine_settings(cfg, "float32", speculative)) as worker:
         alone = [vllm_results(worker, [ids], SamplingParams(), 32, pair.eos_token_ids)[0] for ids in encoded]
         batched = vllm_results(worker, encoded, SamplingParams(), 32, pair.eos_token_ids)
@@ -468,10 +468,10 @@ def sampled_acceptance() -> dict:
     cfg = parse_config(NOISY_DRAFT)
     pair = load_pair(cfg)
     prompts = [pair.encode(text) for text in ACCEPTANCE_PROMPTS]
-    decoder = pair.decoder(SamplingParams(temperature=1.0), num_draft_tokens=GAMMA)
+    decoder = pair.decoder(SamplingParams(temperature=1.0), num_draft_tokens=NUM_DRAFT_TOKENS)
     ours = [decoder.generate(ids, ACCEPTANCE_TOKENS, seed, ignore_eos=True) for seed, ids in enumerate(prompts)]
     counts = {"specdec": draft_positions([s for r in ours for s in r.steps])}
-    with VllmWorker(engine_settings(cfg, "float32", speculative_config(cfg.draft, GAMMA))) as worker:
+    with VllmWorker(engine_settings(cfg, "float32", speculative_config(cfg.draft, NUM_DRAFT_TOKENS))) as worker:
         counts["device"] = worker.device
         for temperature in (1.0, 2.0):
             params = SamplingParams(temperature=temperature)

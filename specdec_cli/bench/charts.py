@@ -13,18 +13,18 @@ CHART_FILES = ("chart.png", "chart.svg")
 
 
 def _modes(rows: list[dict]) -> list[tuple[float, int, str | None, str]]:
-    """(temperature, gamma, tree, rule) of each speculative mode of the rows, in the tables' order."""
+    """(temperature, num_draft_tokens, tree, rule) of each speculative mode of the rows, in the tables' order."""
     measured = {_key(r) for r in rows}  # block verification exists only at temperatures above 0
     temperatures = sorted({r["temperature"] for r in rows})
     return [(t, *mode) for t in temperatures for mode in drafting_order(rows) if (t, *mode) in measured]
 
 
 def _key(row: dict) -> tuple[float, int, str | None, str]:
-    return row["temperature"], row["gamma"], row.get("tree"), rule_of(row)
+    return row["temperature"], row["num_draft_tokens"], row.get("tree"), rule_of(row)
 
 
 def _label(key: tuple[float, int, str | None, str]) -> str:
-    return mode_label(dict(zip(("temperature", "gamma", "tree", "verification"), key)))
+    return mode_label(dict(zip(("temperature", "num_draft_tokens", "tree", "verification"), key)))
 
 
 def _colours(record: dict) -> dict[tuple, str]:
@@ -48,7 +48,7 @@ def _legend(ax) -> None:
 
 
 def _by_category(ax, record: dict, field: str) -> None:
-    """Grouped bars: a group per category (overall last), a bar per (temperature, gamma or tree), and
+    """Grouped bars: a group per category (overall last), a bar per (temperature, num_draft_tokens or tree), and
     a dashed line at 1, the target alone."""
     rows = record["summary"]
     if not rows:
@@ -125,8 +125,8 @@ def throughput_by_batch_size(ax, record: dict) -> None:
 
 def _peer_label(row: dict) -> str:
     """A peer row's pairing: `T=1, γ=3 beside hf prompt lookup` (specdec's chain, the peer's mode)."""
-    ours = mode_label({"temperature": row["temperature"], "gamma": row["specdec_gamma"]})
-    return f"{ours} beside {row['engine']}" + ("" if row["gamma"] else " (target alone)")
+    ours = mode_label({"temperature": row["temperature"], "num_draft_tokens": row["specdec_num_draft_tokens"]})
+    return f"{ours} beside {row['engine']}" + ("" if row["num_draft_tokens"] else " (target alone)")
 
 
 def beside_peers(ax, record: dict) -> None:
@@ -148,14 +148,15 @@ def beside_peers(ax, record: dict) -> None:
 def peer_acceptance_by_position(ax, record: dict) -> None:
     """The peer's acceptance by position (dashed) beside specdec's (solid), where the peer reports its steps."""
     ax.set_title("Beside the peer: acceptance by draft position")
-    rows = [r for r in record.get("peers") or [] if r["gamma"] and r.get("peer_acceptance_by_position")]
+    rows = [r for r in record.get("peers") or [] if r["num_draft_tokens"] and r.get("peer_acceptance_by_position")]
     if not rows:
         return _nothing(ax, "the peer reports no acceptance")
     for i, row in enumerate(rows):
         for side, style in (("specdec", "-"), ("peer", "--")):
             rates = [_first(p) for p in row[f"{side}_acceptance_by_position"]]
             name = "specdec" if side == "specdec" else row["engine"]
-            label = f"{name}, {mode_label({'temperature': row['temperature'], 'gamma': row['gamma']})}"
+            mode = {"temperature": row["temperature"], "num_draft_tokens": row["num_draft_tokens"]}
+            label = f"{name}, {mode_label(mode)}"
             ax.plot(range(1, len(rates) + 1), rates, style, marker="o", color=f"C{i % 10}", label=label)
     ax.set_xlabel("draft position")
     ax.set_ylim(0, 1.05)

@@ -24,7 +24,7 @@ from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.pair import Pair
 
 
-def hf_drafting(pair: Pair) -> tuple[str, str | None]:
+def hf_peer_engine(pair: Pair) -> tuple[str, str | None]:
     """The hf peer's speculative engine for this pair, and why it is not the config's drafter (None
     when it is)."""
     if pair.config.draft.ngram is not None:
@@ -52,8 +52,8 @@ def hf_drafting(pair: Pair) -> tuple[str, str | None]:
     )
 
 
-def peer_caption(drafting: str, note: str | None) -> str:
-    return " ".join([PEER_FAIRNESS] + ([LOOKUP_NOTE] if drafting == HF_LOOKUP else []) + ([note] if note else []))
+def peer_caption(engine: str, note: str | None) -> str:
+    return " ".join([PEER_FAIRNESS] + ([LOOKUP_NOTE] if engine == HF_LOOKUP else []) + ([note] if note else []))
 
 
 @contextmanager
@@ -90,21 +90,23 @@ def plain_settings(pair: Pair, params: SamplingParams, max_new_tokens: int, igno
 
 
 def hf_generator(
-    pair: Pair, params: SamplingParams, engine: str, gamma: int, max_new_tokens: int, ignore_eos: bool
+    pair: Pair, params: SamplingParams, engine: str, num_draft_tokens: int, max_new_tokens: int, ignore_eos: bool
 ) -> TurnGenerator:
-    """generate() as `engine` runs it: plain (gamma 0), with prompt lookup, or with the draft model."""
+    """generate() as `engine` runs it: plain (num_draft_tokens 0), with prompt lookup, or with the draft model."""
     transformers.utils.logging.set_verbosity_error()  # assisted generate() warns about its own internal calls
     model = pair.target.model
     settings = plain_settings(pair, params, max_new_tokens, ignore_eos)
     configs, extra = {model: GenerationConfig()}, {}
-    if gamma and engine == HF_LOOKUP:
+    if num_draft_tokens and engine == HF_LOOKUP:
         max_n = (pair.config.draft.ngram or NgramSettings()).max_n
-        settings.update(prompt_lookup_num_tokens=gamma, max_matching_ngram_size=max_n)
-    elif gamma and engine == HF_ASSISTED:
+        settings.update(prompt_lookup_num_tokens=num_draft_tokens, max_matching_ngram_size=max_n)
+    elif num_draft_tokens and engine == HF_ASSISTED:
         assistant = pair.causal_draft
-        # the assistant's knobs come from its own generation config: always gamma tokens, never stop early
+        # the assistant's knobs come from its own generation config: always num_draft_tokens tokens, never stop early
         configs[assistant] = GenerationConfig(
-            num_assistant_tokens=gamma, num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0
+            num_assistant_tokens=num_draft_tokens,
+            num_assistant_tokens_schedule="constant",
+            assistant_confidence_threshold=0.0,
         )
         extra["assistant_model"] = assistant
     config = GenerationConfig(**settings)

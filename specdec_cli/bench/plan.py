@@ -1,4 +1,5 @@
-"""What a benchmark runs: the modes (who generates, temperature, gamma or tree), settings, and the prompts."""
+"""What a benchmark runs: the modes (who generates, temperature, num_draft_tokens or tree), settings,
+and the prompts."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ class Mode:
     chain's, or a tree's depth), verified by which rule."""
 
     temperature: float
-    gamma: int  # 0: target alone
+    num_draft_tokens: int  # 0: target alone
     engine: str = SPECDEC
     tree: TreeShape | None = None  # a draft tree of this shape instead of a chain
     verification: str = "token"  # "block": a sampled chain verified as a block
@@ -33,14 +34,18 @@ class Mode:
     def label(self) -> str:
         who = "" if self.engine == SPECDEC else f"{self.engine} "
         tree = self.tree.spec if self.tree else None
-        kind = "target only" if self.gamma == 0 else f"speculative {drafting_label(self.gamma, tree)}"
+        kind = (
+            "target only"
+            if self.num_draft_tokens == 0
+            else f"speculative {drafting_label(self.num_draft_tokens, tree)}"
+        )
         return f"{who}{kind}, {temperature_label(self.temperature)}{rule_label(self.verification)}"
 
 
 @dataclass
 class Plan:
     temperatures: list[float]
-    gammas: list[int]
+    num_draft_tokens_list: list[int]
     max_new_tokens: int
     repeats: int
     warmup: int
@@ -50,7 +55,7 @@ class Plan:
     top_p: float
     peer: str | None = None
     # the peer's speculative engine, chosen once the models are loaded (None: the peer runs the target alone)
-    peer_drafting: str | None = None
+    peer_engine: str | None = None
     batch_sizes: list[int] = field(default_factory=lambda: [1])  # > 1: specdec also decodes prompts together
     trees: list[TreeShape] = field(default_factory=list)  # draft trees, measured beside the chains
     verifications: list[str] = field(default_factory=lambda: ["token"])  # the rules of the sampled chains
@@ -63,7 +68,7 @@ class Plan:
         """The target alone, each chain (sampled: under each rule) and each tree at one temperature. Greedy
         verification is the same under both rules, and a tree has its own: they run once."""
         rules = self.verifications if temperature > 0 else ["token"]
-        chains = [Mode(temperature, g, verification=rule) for g in self.gammas for rule in rules]
+        chains = [Mode(temperature, g, verification=rule) for g in self.num_draft_tokens_list for rule in rules]
         return [Mode(temperature, 0)] + chains + [Mode(temperature, shape.depth, tree=shape) for shape in self.trees]
 
     def batched(self, modes: list[Mode]) -> list[tuple[int, Mode]]:
@@ -71,7 +76,7 @@ class Plan:
         return [(size, mode) for size in self.batch_sizes if size > 1 for mode in modes]
 
     def batch_modes(self) -> list[tuple[int, Mode]]:
-        """specdec's batched runs: target-only, each gamma and each tree per temperature, and the hf
+        """specdec's batched runs: target-only, each num_draft_tokens and each tree per temperature, and the hf
         peer's plain batched generate() (transformers' speculative decoding refuses batches)."""
         return self.batched([m for t in self.temperatures for m in self.specdec_modes(t) + self.hf_alone(t)])
 
@@ -79,24 +84,24 @@ class Plan:
         return [Mode(temperature, 0, HF)] if self.peer == HF else []
 
     def modes(self) -> list[Mode]:
-        """specdec's modes per temperature: the baseline first, then each gamma and each tree, then the hf
-        peer alone and its run of each gamma. None when vLLM runs the config; vLLM's modes run apart, one
+        """specdec's modes per temperature: the baseline first, then each num_draft_tokens and each tree, then the hf
+        peer alone and its run of each num_draft_tokens. None when vLLM runs the config; vLLM's modes run apart, one
         engine at a time (vllm_modes)."""
         if self.engine == VLLM:
             return []
         modes = []
         for t in self.temperatures:
             modes += self.specdec_modes(t) + self.hf_alone(t)
-            modes += [Mode(t, g, self.peer_drafting) for g in self.gammas] if self.peer == HF else []
+            modes += [Mode(t, g, self.peer_engine) for g in self.num_draft_tokens_list] if self.peer == HF else []
         return modes
 
     def vllm_modes(self) -> dict[int, list[Mode]]:
-        """vLLM's modes by gamma (an engine each; 0: the target alone), every temperature in each: every
-        gamma where vLLM runs the config, the peer's where it drafts."""
+        """vLLM's modes by num_draft_tokens (an engine each; 0: the target alone), every temperature in each: every
+        num_draft_tokens where vLLM runs the config, the peer's where it drafts."""
         if VLLM not in (self.engine, self.peer):
             return {}
-        gammas = [0] + (self.gammas if self.engine == VLLM or self.peer_drafting else [])
-        return {g: [Mode(t, g, VLLM) for t in self.temperatures] for g in gammas}
+        num_draft_tokens_list = [0] + (self.num_draft_tokens_list if self.engine == VLLM or self.peer_engine else [])
+        return {g: [Mode(t, g, VLLM) for t in self.temperatures] for g in num_draft_tokens_list}
 
 
 def parse_list(text: str | None, kind: type, option: str) -> list | None:
@@ -114,7 +119,7 @@ def parse_list(text: str | None, kind: type, option: str) -> list | None:
 
 def make_plan(
     cfg: Config,
-    gammas: list[int] | None,
+    num_draft_tokens_list: list[int] | None,
     temperatures: list[float] | None,
     repeats: int,
     warmup: int,
@@ -124,15 +129,15 @@ def make_plan(
     verifications: list[str] | None = None,
     engine: str = SPECDEC,
 ) -> Plan:
-    """Defaults: the config's gamma, and its tree if it has one (a chain and a tree side by side); greedy
+    """Defaults: the config's num_draft_tokens, and its tree if it has one (a chain and a tree side by side); greedy
     and the config's temperature (1.0 if the config is greedy); the config's verification rule. vLLM
     (engine) drafts chains and verifies token by token: a tree or block rule, asked for or in the
     config, is refused."""
-    gammas = gammas or [cfg.speculation.num_draft_tokens]
+    num_draft_tokens_list = num_draft_tokens_list or [cfg.speculation.num_draft_tokens]
     trees = trees or ([cfg.speculation.tree] if cfg.speculation.tree else [])
     temperatures = temperatures or list(dict.fromkeys([0.0, cfg.sampling.temperature or 1.0]))
-    if min(gammas) < 1:
-        raise SpecdecError(f"--num-draft-tokens-list values must be >= 1, got {gammas}")
+    if min(num_draft_tokens_list) < 1:
+        raise SpecdecError(f"--num-draft-tokens-list values must be >= 1, got {num_draft_tokens_list}")
     if not all(math.isfinite(t) and t >= 0 for t in temperatures):
         raise SpecdecError(f"--temperatures must be finite numbers >= 0 (0 is greedy), got {temperatures}")
     verifications = verifications or [cfg.speculation.verification]
@@ -156,7 +161,7 @@ def make_plan(
     s = cfg.sampling
     return Plan(
         temperatures,
-        gammas,
+        num_draft_tokens_list,
         cfg.generation.max_new_tokens,
         repeats,
         warmup,

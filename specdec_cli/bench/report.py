@@ -62,9 +62,9 @@ def spread(values: list[float] | tuple[float, float, float], spec: str = ".1f") 
     return f"{median:{spec}}" if low == high else f"{median:{spec}} ({low:{spec}}–{high:{spec}})"
 
 
-def drafting_label(gamma: int, tree: str | None) -> str:
+def drafting_label(num_draft_tokens: int, tree: str | None) -> str:
     """A chain's length or a tree's shape (as --tree spells it)."""
-    return f"tree {tree}" if tree else f"γ={gamma}"
+    return f"tree {tree}" if tree else f"γ={num_draft_tokens}"
 
 
 def rule_of(row: dict) -> str:
@@ -79,22 +79,22 @@ def rule_label(rule: str) -> str:
 
 def mode_label(row: dict) -> str:
     """A summary row's mode; a batch row of a peer engine (vLLM's) starts with its name."""
-    drafting = drafting_label(row["gamma"], row.get("tree"))
+    drafting = drafting_label(row["num_draft_tokens"], row.get("tree"))
     who = "" if row.get("engine", "specdec") == "specdec" else f"{row['engine']} "
     return f"{who}{temperature_label(row['temperature'])}, {drafting}{rule_label(rule_of(row))}"
 
 
 def drafting_order(rows: list[dict]) -> list[tuple[int, str | None, str]]:
-    """The (gamma, tree, rule) of the rows' speculative modes, once each: chains by length (token, then
+    """The (num_draft_tokens, tree, rule) of the rows' speculative modes, once each: chains by length (token, then
     block), then trees."""
-    modes = {(r["gamma"], r.get("tree"), rule_of(r)) for r in rows if r["gamma"]}
+    modes = {(r["num_draft_tokens"], r.get("tree"), rule_of(r)) for r in rows if r["num_draft_tokens"]}
     return sorted(modes, key=lambda mode: (mode[1] is not None, mode[0], mode[1] or "", mode[2] == "block"))
 
 
 def category_report(
     summary: list[dict], draft: str, rule: str, note: str | None = None, engine: str = "specdec"
 ) -> Report:
-    """Per category and overall, one row per (category, gamma or tree), greedy and sampled side by
+    """Per category and overall, one row per (category, num_draft_tokens or tree), greedy and sampled side by
     side. Medians only; the ranges over repeats are in the overall table. `draft`: what drafted;
     `rule`: how its sampled drafts were verified; `note`: what the caption says about the engine
     that ran the config, `engine`."""
@@ -104,13 +104,13 @@ def category_report(
         name = temperature_label(t)
         header += [f"{name} base tok/s", f"{name} spec tok/s", f"{name} speedup", f"{name} acc len", f"{name} acc rate"]
     rows = []
-    by_key = {(r["group"], r["gamma"], r.get("tree"), rule_of(r), r["temperature"]): r for r in summary}
+    by_key = {(r["group"], r["num_draft_tokens"], r.get("tree"), rule_of(r), r["temperature"]): r for r in summary}
     groups = sorted({r["group"] for r in summary} - {OVERALL}) + [OVERALL]
     for group in groups:
-        for gamma, tree, mode_rule in drafting_order(summary):
-            cells = [group, (f"tree {tree}" if tree else str(gamma)) + rule_label(mode_rule)]
+        for num_draft_tokens, tree, mode_rule in drafting_order(summary):
+            cells = [group, (f"tree {tree}" if tree else str(num_draft_tokens)) + rule_label(mode_rule)]
             for t in temperatures:
-                r = by_key.get((group, gamma, tree, mode_rule, t))
+                r = by_key.get((group, num_draft_tokens, tree, mode_rule, t))
                 cells += (
                     ["n/a"] * 5
                     if r is None
@@ -124,7 +124,7 @@ def category_report(
                 )
             rows.append(cells)
     caption = (
-        f"Draft: {draft}. γ = tokens drafted per block (with lookup ahead of a model: the model's); "
+        f"Draft: {draft}. γ = num_draft_tokens, tokens drafted per block (with lookup ahead of a model: the model's); "
         f"tree D,K,N = a draft tree of depth D, top-k K, N nodes verified per block; block = sampled drafts "
         f"verified as a block (Sun et al. 2025), else token by token. "
         f"{SPEEDUP_FORMULA}; {DECODE_TIMING[engine]}. acc len = mean accepted length: tokens per target "
@@ -134,7 +134,7 @@ def category_report(
 
 
 def detail_report(summary: list[dict], rule: str) -> Report:
-    """Every overall number, one column per (temperature, gamma)."""
+    """Every overall number, one column per (temperature, num_draft_tokens)."""
     overall = [r for r in summary if r["group"] == OVERALL]
     metrics = [
         ("prompts", lambda r: str(r["prompts"])),
@@ -190,8 +190,8 @@ def peer_report(peers: list[dict], caption: str) -> Report:
     rows = [
         [
             temperature_label(r["temperature"]),
-            f"{r['engine']} target only" if r["gamma"] == 0 else f"{r['engine']} γ={r['gamma']}",
-            f"γ={r['specdec_gamma']}{rule_label(r.get('specdec_verification', 'token'))}",
+            f"{r['engine']} target only" if r["num_draft_tokens"] == 0 else f"{r['engine']} γ={r['num_draft_tokens']}",
+            f"γ={r['specdec_num_draft_tokens']}{rule_label(r.get('specdec_verification', 'token'))}",
             str(r["prompts"]),
             spread(r["peer_tokens_per_second"]),
             spread(r["specdec_tokens_per_second"]),
@@ -225,9 +225,9 @@ BATCH_NOTE = (
     "Per batch size: the prompts in consecutive batches of that size, target alone and speculative "
     "through the same loop. total tok/s = all new tokens / all decode wall time; per sequence = "
     "total / batch size; speedup = speculative total / target-only total at that batch size. "
-    "verify / plain forward = a batch x (gamma + 1)-token verification forward against a batch x 1 target-only "
-    "forward. greedy = alone: prompts whose greedy speculative tokens equal their target-only tokens decoded "
-    "alone. hf generate(): with --peer hf, transformers' plain batched generate() of the target (its assisted "
+    "verify / plain forward = a batch x (num_draft_tokens + 1)-token verification forward against a batch x 1 "
+    "target-only forward. greedy = alone: prompts whose greedy speculative tokens equal their target-only tokens "
+    "decoded alone. hf generate(): with --peer hf, transformers' plain batched generate() of the target (its assisted "
     "generation and prompt lookup refuse batches), timed whole, beside specdec's speculative tok/s end to end "
     "(prefill included). crossover = the smallest measured batch size whose speedup is below 1."
 )
@@ -304,19 +304,26 @@ COMPARED = [
 
 
 def compare_report(a: dict, b: dict, names: tuple[str, str]) -> Report:
-    """Two records side by side: overall rows matched by (temperature, gamma or tree, rule), batch-size
-    rows by (batch size, temperature, gamma or tree, rule) where both records measured batches."""
+    """Two records side by side: overall rows matched by (temperature, num_draft_tokens or tree, rule), batch-size
+    rows by (batch size, temperature, num_draft_tokens or tree, rule) where both records measured batches."""
 
     def overall(record: dict) -> dict:
         return {
-            (r["temperature"], r["gamma"], r.get("tree"), rule_of(r)): r
+            (r["temperature"], r["num_draft_tokens"], r.get("tree"), rule_of(r)): r
             for r in record["summary"]
             if r["group"] == OVERALL
         }
 
     def batches(record: dict) -> dict:
         return {
-            (r["batch_size"], r.get("engine", "specdec"), r["temperature"], r["gamma"], r.get("tree"), rule_of(r)): r
+            (
+                r["batch_size"],
+                r.get("engine", "specdec"),
+                r["temperature"],
+                r["num_draft_tokens"],
+                r.get("tree"),
+                rule_of(r),
+            ): r
             for r in record.get("batch_summary", [])
             if r["batch_size"] > 1
         }

@@ -1,7 +1,8 @@
 """Run every prompt in every mode of a plan: target-only and speculative through specdec's loop, and
-the peers. Every prompt runs, for each temperature, once target-only (gamma 0), once per gamma and tree,
-`repeats` times each with the same seed. A multi-turn prompt feeds each mode's own answer back before
-the next turn, and all turns count (as in Spec-Bench): a prompt's numbers are its turns' sums.
+the peers. Every prompt runs, for each temperature, once target-only (num_draft_tokens 0), once per
+num_draft_tokens and tree, `repeats` times each with the same seed. A multi-turn prompt feeds each
+mode's own answer back before the next turn, and all turns count (as in Spec-Bench): a prompt's numbers
+are its turns' sums.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ WARMUP_TOKENS = 32  # enough for one-time costs (allocations, thread pools); not
 
 
 def decoder_of(pair: Pair, mode: Mode, plan: Plan) -> SpeculativeDecoder:
-    """The target alone (gamma 0), a chain of gamma draft tokens under the mode's rule, or a draft tree."""
-    chain = None if mode.tree else mode.gamma or None
+    """The target alone (num_draft_tokens 0), a chain of num_draft_tokens draft tokens under the mode's rule,
+    or a draft tree."""
+    chain = None if mode.tree else mode.num_draft_tokens or None
     params = plan.params(mode.temperature)
-    return pair.decoder(params, mode.gamma > 0, chain, mode.tree, mode.verification)
+    return pair.decoder(params, mode.num_draft_tokens > 0, chain, mode.tree, mode.verification)
 
 
 def specdec_generator(pair: Pair, mode: Mode, plan: Plan, max_new_tokens: int) -> TurnGenerator:
@@ -39,7 +41,7 @@ def make_generator(pair: Pair, mode: Mode, plan: Plan, max_new_tokens: int) -> T
         from specdec_cli.bench.peers import hf_generator
 
         return hf_generator(
-            pair, plan.params(mode.temperature), mode.engine, mode.gamma, max_new_tokens, plan.ignore_eos
+            pair, plan.params(mode.temperature), mode.engine, mode.num_draft_tokens, max_new_tokens, plan.ignore_eos
         )
     return specdec_generator(pair, mode, plan, max_new_tokens)
 
@@ -97,7 +99,7 @@ def run_benchmark(
                         "prompt_id": prompt.id,
                         "category": prompt.category,
                         "temperature": mode.temperature,
-                        "gamma": mode.gamma,
+                        "num_draft_tokens": mode.num_draft_tokens,
                         "tree": mode.tree.spec if mode.tree else None,
                         "verification": mode.verification,
                         "engine": mode.engine,
@@ -187,7 +189,7 @@ def run_batches(
                     {
                         "batch_size": size,
                         "temperature": mode.temperature,
-                        "gamma": mode.gamma,
+                        "num_draft_tokens": mode.num_draft_tokens,
                         "tree": mode.tree.spec if mode.tree else None,
                         "verification": mode.verification,
                         "engine": mode.engine,

@@ -42,8 +42,10 @@ def _mean_tps(runs: list[dict], key: str) -> tuple[float, float, float]:
     return median_and_spread([statistics.fmean(t) for t in _group_tps(runs, key)])
 
 
-def summarize_mode(baseline: list[dict], speculative: list[dict], gamma: int, tree: str | None = None) -> dict:
-    """The numbers of one table cell group: same prompts in both lists, same order. `gamma`: the chain's
+def summarize_mode(
+    baseline: list[dict], speculative: list[dict], num_draft_tokens: int, tree: str | None = None
+) -> dict:
+    """The numbers of one table cell group: same prompts in both lists, same order. `num_draft_tokens`: the chain's
     length, or the depth of `tree` (its shape as --tree spells it); acceptance is then by depth.
 
     Tokens/s is the mean over prompts per repeat; its median and (min, max) over repeats are reported.
@@ -74,7 +76,7 @@ def summarize_mode(baseline: list[dict], speculative: list[dict], gamma: int, tr
     costs = block_costs(spec_steps, base_steps)
     return {
         "prompts": len(speculative),
-        "gamma": gamma,
+        "num_draft_tokens": num_draft_tokens,
         "tree": tree,
         "baseline_tokens_per_second": _mean_tps(baseline, "tokens_per_second"),
         "speculative_tokens_per_second": _mean_tps(speculative, "tokens_per_second"),
@@ -84,14 +86,14 @@ def summarize_mode(baseline: list[dict], speculative: list[dict], gamma: int, tr
         "vllm_mean_acceptance_length": vllm_mean_acceptance_length(spec_steps),
         "acceptance_rate": acceptance_rate(spec_steps),
         "per_token_acceptance": alpha,
-        "acceptance_by_position": acceptance_by_position(spec_steps, gamma),
-        "conditional_acceptance_by_position": conditional_acceptance_by_position(spec_steps, gamma),
+        "acceptance_by_position": acceptance_by_position(spec_steps, num_draft_tokens),
+        "conditional_acceptance_by_position": conditional_acceptance_by_position(spec_steps, num_draft_tokens),
         "accepted_length_histogram": accepted_length_histogram(spec_steps),
-        **vllm_counters(spec_steps),
+        "vllm_counters": vllm_counters(spec_steps),
         "draft_time_share": draft_time_share(spec_steps),
         "cost_ratio": c,
         "predicted_speedup": (
-            predicted_speedup(alpha, gamma, c) if alpha is not None and c is not None and not tree else None
+            predicted_speedup(alpha, num_draft_tokens, c) if alpha is not None and c is not None and not tree else None
         ),
         "verification_cost": costs[0] if costs else None,
         "drafting_cost": costs[1] if costs else None,
@@ -119,7 +121,7 @@ def _by_prompt(
     runs: list[dict],
     engine: str,
     temperature: float,
-    gamma: int,
+    num_draft_tokens: int,
     group: str = OVERALL,
     tree: str | None = None,
     rule: str = "token",
@@ -127,24 +129,24 @@ def _by_prompt(
     return {
         r["prompt_id"]: r
         for r in runs
-        if (r["engine"], r["temperature"], r["gamma"], r.get("tree"), rule_of(r))
-        == (engine, temperature, gamma, tree, rule)
+        if (r["engine"], r["temperature"], r["num_draft_tokens"], r.get("tree"), rule_of(r))
+        == (engine, temperature, num_draft_tokens, tree, rule)
         and group in (OVERALL, r["category"])
     }
 
 
 def summarize(runs: list[dict], engine: str = SPECDEC) -> list[dict]:
-    """One entry per (group, temperature, gamma or tree, rule) of the engine that ran the config, group
+    """One entry per (group, temperature, num_draft_tokens or tree, rule) of the engine that ran the config, group
     being each category and "overall"; prompts missing a mode (an interrupted run) are left out of that
     comparison."""
     out = []
     ran = [r for r in runs if r["engine"] == engine]
     categories = sorted({r["category"] for r in ran})
     for temperature in sorted({r["temperature"] for r in ran}):
-        for gamma, tree, rule in drafting_order(ran):
+        for num_draft_tokens, tree, rule in drafting_order(ran):
             for group in categories + [OVERALL]:
                 base = _by_prompt(ran, engine, temperature, 0, group)
-                spec = _by_prompt(ran, engine, temperature, gamma, group, tree, rule)
+                spec = _by_prompt(ran, engine, temperature, num_draft_tokens, group, tree, rule)
                 ids = [i for i in spec if i in base]
                 if ids:
                     out.append(
@@ -152,7 +154,7 @@ def summarize(runs: list[dict], engine: str = SPECDEC) -> list[dict]:
                             "group": group,
                             "temperature": temperature,
                             "verification": rule,
-                            **summarize_mode([base[i] for i in ids], [spec[i] for i in ids], gamma, tree),
+                            **summarize_mode([base[i] for i in ids], [spec[i] for i in ids], num_draft_tokens, tree),
                         }
                     )
     return out
@@ -161,54 +163,61 @@ def summarize(runs: list[dict], engine: str = SPECDEC) -> list[dict]:
 def _end_to_end_speedup(baseline: dict[str, dict], speculative: list[dict]) -> float | None:
     """Speculative end-to-end tok/s over the same engine's target-only run of the same prompts, per
     repeat as Spec-Bench's speedup, then the median; None for a target-only run or without a baseline."""
-    if not speculative[0]["gamma"] or not all(r["prompt_id"] in baseline for r in speculative):
+    if not speculative[0]["num_draft_tokens"] or not all(r["prompt_id"] in baseline for r in speculative):
         return None
     base = [baseline[r["prompt_id"]] for r in speculative]
     key = "end_to_end_tokens_per_second"
     return median_and_spread([speedup(b, s) for b, s in zip(_group_tps(base, key), _group_tps(speculative, key))])[0]
 
 
-def _acceptance(runs: list[dict], gamma: int) -> dict:
+def _acceptance(runs: list[dict], num_draft_tokens: int) -> dict:
     """specdec's acceptance numbers of speculative runs (None: target-only, or a peer that records no steps)."""
     steps = [s for r in runs for s in steps_of(r)]
-    drafted = gamma and any(s.drafted for s in steps)
+    drafted = num_draft_tokens and any(s.drafted for s in steps)
     return {
         "mean_accepted_length": mean_accepted_length(steps) if drafted else None,
-        "acceptance_by_position": acceptance_by_position(steps, gamma) if drafted else None,
+        "acceptance_by_position": acceptance_by_position(steps, num_draft_tokens) if drafted else None,
     }
 
 
 def summarize_peers(runs: list[dict]) -> list[dict]:
     """Per peer mode, the peer beside specdec's speculative run of the same prompts at the same temperature:
-    the same gamma, or each gamma for the peer's target-only run, under each rule specdec measured. As
-    end-to-end tokens/s (prefill + decode), because transformers' generate() does not time them apart;
-    each side's speedup over its own target-only run, and its acceptance in specdec's definitions where
-    the peer reports its steps (vLLM)."""
+    the same num_draft_tokens, or each num_draft_tokens for the peer's target-only run, under each rule
+    specdec measured. As end-to-end tokens/s (prefill + decode), because transformers' generate() does not
+    time them apart; each side's speedup over its own target-only run, and its acceptance in specdec's
+    definitions where the peer reports its steps (vLLM)."""
     out = []
     key = "end_to_end_tokens_per_second"
     chains = sorted(
-        {(r["temperature"], r["gamma"], rule_of(r)) for r in runs if r["engine"] == SPECDEC and not r.get("tree")}
+        {
+            (r["temperature"], r["num_draft_tokens"], rule_of(r))
+            for r in runs
+            if r["engine"] == SPECDEC and not r.get("tree")
+        }
     )
-    for temperature, gamma, engine in sorted(
-        {(r["temperature"], r["gamma"], r["engine"]) for r in runs if r["engine"] != SPECDEC}
+    for temperature, num_draft_tokens, engine in sorted(
+        {(r["temperature"], r["num_draft_tokens"], r["engine"]) for r in runs if r["engine"] != SPECDEC}
     ):
-        peers = _by_prompt(runs, engine, temperature, gamma)
+        peers = _by_prompt(runs, engine, temperature, num_draft_tokens)
         # the peer's target alone: its engine's first word ("hf prompt lookup" -> "hf")
         peer_base = _by_prompt(runs, engine.split()[0], temperature, 0)
-        # specdec's chains beside this peer mode: its gamma, or every gamma beside the peer's target alone
-        beside = [(g, rule) for t, g, rule in chains if t == temperature and g and gamma in (0, g)]
-        for specdec_gamma, rule in beside:
-            ours = _by_prompt(runs, SPECDEC, temperature, specdec_gamma, rule=rule)
+        # specdec's chains beside this peer mode: its num_draft_tokens, or every one beside the peer's target alone
+        beside = [(g, rule) for t, g, rule in chains if t == temperature and g and num_draft_tokens in (0, g)]
+        for specdec_num_draft_tokens, rule in beside:
+            ours = _by_prompt(runs, SPECDEC, temperature, specdec_num_draft_tokens, rule=rule)
             ids = [i for i in peers if i in ours]
             if ids:
                 ours_runs, peer_runs = [ours[i] for i in ids], [peers[i] for i in ids]
-                peer_acceptance, our_acceptance = _acceptance(peer_runs, gamma), _acceptance(ours_runs, specdec_gamma)
+                peer_acceptance, our_acceptance = (
+                    _acceptance(peer_runs, num_draft_tokens),
+                    _acceptance(ours_runs, specdec_num_draft_tokens),
+                )
                 out.append(
                     {
                         "engine": engine,
                         "temperature": temperature,
-                        "gamma": gamma,
-                        "specdec_gamma": specdec_gamma,
+                        "num_draft_tokens": num_draft_tokens,
+                        "specdec_num_draft_tokens": specdec_num_draft_tokens,
                         "specdec_verification": rule,
                         "prompts": len(ids),
                         "specdec_tokens_per_second": _mean_tps(ours_runs, key),
@@ -228,7 +237,7 @@ def summarize_peers(runs: list[dict]) -> list[dict]:
 
 
 def gate_failures(summary: list[dict], min_speedup: float | None, min_accept_length: float | None) -> list[str]:
-    """Overall rows that miss a gate, as readable lines; every (temperature, gamma or tree) must pass."""
+    """Overall rows that miss a gate, as readable lines; every (temperature, num_draft_tokens or tree) must pass."""
     failures = []
     for row in (r for r in summary if r["group"] == OVERALL):
         mode = mode_label(row)
@@ -244,12 +253,21 @@ def gate_failures(summary: list[dict], min_speedup: float | None, min_accept_len
 
 
 def _batch_groups(runs: list[dict], batch_runs: list[dict]) -> dict[tuple, list[dict]]:
-    """(batch size, temperature, gamma, engine, tree, rule) -> its runs; batch 1 from the per-prompt runs."""
+    """(batch size, temperature, num_draft_tokens, engine, tree, rule) -> its runs; batch 1 from the per-prompt runs."""
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
-        groups.setdefault((1, r["temperature"], r["gamma"], r["engine"], r.get("tree"), rule_of(r)), []).append(r)
+        groups.setdefault(
+            (1, r["temperature"], r["num_draft_tokens"], r["engine"], r.get("tree"), rule_of(r)), []
+        ).append(r)
     for r in batch_runs:
-        key = (r["batch_size"], r["temperature"], r["gamma"], r.get("engine", SPECDEC), r.get("tree"), rule_of(r))
+        key = (
+            r["batch_size"],
+            r["temperature"],
+            r["num_draft_tokens"],
+            r.get("engine", SPECDEC),
+            r.get("tree"),
+            rule_of(r),
+        )
         groups.setdefault(key, []).append(r)
     return groups
 
@@ -297,19 +315,19 @@ def _greedy_identical(spec: list[dict], alone: list[dict]) -> int | None:
 
 
 def summarize_batches(runs: list[dict], batch_runs: list[dict]) -> list[dict]:
-    """Per (batch size, temperature, gamma or tree, rule): total tokens/s of the target alone and of
+    """Per (batch size, temperature, num_draft_tokens or tree, rule): total tokens/s of the target alone and of
     speculative decoding at that batch size, their ratio, and acceptance; then, per (temperature,
-    gamma or tree), the smallest batch size whose speedup fell below 1 (None: none measured)."""
+    num_draft_tokens or tree), the smallest batch size whose speedup fell below 1 (None: none measured)."""
     groups = _batch_groups(runs, batch_runs)
     out = []
     # each engine's speculative modes against its own target alone: specdec's, and vLLM's (peer or engine)
     speculative = [k for k in groups if k[2] > 0]
-    for size, temperature, gamma, engine, tree, rule in sorted(
+    for size, temperature, num_draft_tokens, engine, tree, rule in sorted(
         speculative, key=lambda k: (k[3] != SPECDEC, k[:4], k[4] or "", k[5])
     ):
         base, spec = (
             groups.get((size, temperature, 0, engine, None, "token")),
-            groups[(size, temperature, gamma, engine, tree, rule)],
+            groups[(size, temperature, num_draft_tokens, engine, tree, rule)],
         )
         peer = groups.get((size, temperature, 0, HF, None, "token")) if engine == SPECDEC else None
         if not base:
@@ -321,7 +339,7 @@ def summarize_batches(runs: list[dict], batch_runs: list[dict]) -> list[dict]:
                 "batch_size": size,
                 "engine": engine,
                 "temperature": temperature,
-                "gamma": gamma,
+                "num_draft_tokens": num_draft_tokens,
                 "tree": tree,
                 "verification": rule,
                 "baseline_tokens_per_second": median_and_spread(base_tps),
@@ -330,9 +348,9 @@ def summarize_batches(runs: list[dict], batch_runs: list[dict]) -> list[dict]:
                 "speedup": median_and_spread([s / b for b, s in zip(base_tps, spec_tps)]),
                 "mean_accepted_length": mean_accepted_length(steps),
                 "vllm_mean_acceptance_length": vllm_mean_acceptance_length(steps),
-                "acceptance_by_position": acceptance_by_position(steps, gamma),
+                "acceptance_by_position": acceptance_by_position(steps, num_draft_tokens),
                 "draft_time_share": draft_time_share(steps),
-                # what a (batch x (gamma + 1))-token verification costs against a batch x 1 forward
+                # what a (batch x (num_draft_tokens + 1))-token verification costs against a batch x 1 forward
                 "target_forward_seconds": _forward_seconds(base),
                 "verification_forward_seconds": _forward_seconds(spec),
                 "greedy_identical": (
@@ -349,8 +367,8 @@ def summarize_batches(runs: list[dict], batch_runs: list[dict]) -> list[dict]:
         slower = [
             r["batch_size"]
             for r in out
-            if (r["engine"], r["temperature"], r["gamma"], r["tree"], r["verification"])
-            == (row["engine"], row["temperature"], row["gamma"], row["tree"], row["verification"])
+            if (r["engine"], r["temperature"], r["num_draft_tokens"], r["tree"], r["verification"])
+            == (row["engine"], row["temperature"], row["num_draft_tokens"], row["tree"], row["verification"])
             and r["speedup"][0] < 1
         ]
         row["crossover_batch_size"] = min(slower, default=None)

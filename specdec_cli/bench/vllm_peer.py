@@ -1,7 +1,7 @@
 """vLLM in a benchmark: as the peer (`--peer vllm`, beside specdec's loop) or as the engine that runs
 the config (`--engine vllm`). The same prompts, as the same token ids, and the same sampling go through
 vLLM, the target alone and with the config's draft as vLLM's speculative_config, one engine (a worker
-process, vllm_engine/) per gamma serving every temperature and batch size. Its per-request metrics
+process, vllm_engine/) per num_draft_tokens serving every temperature and batch size. Its per-request metrics
 become specdec's step records, so the summary's definitions apply to both sides."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def cpu_build_sampling(device: str, temperatures: list[float]) -> str | None:
 
 VLLM_ENGINE = (
     "The config ran in vLLM (engine: vllm), not in specdec's loop: the target alone and with the draft as "
-    "vLLM's speculative_config, an engine per gamma, on the same token ids (specdec's chat template) and "
+    "vLLM's speculative_config, an engine per num_draft_tokens, on the same token ids (specdec's chat template) and "
     "sampling settings. Each call is timed whole (vLLM does not time prefill apart): decode and "
     "end-to-end tok/s are the same figure, and vLLM times no drafting or verification apart (cost ratio, "
     "time drafting and the predictions are n/a). acc len and acceptance are specdec's definitions over "
@@ -93,10 +93,12 @@ def target_text(cfg: Config) -> TargetText:
     return TargetText(cfg, tokenizer, eos, model.max_position_embeddings, dtype)
 
 
-def vllm_drafting(pair: Pair, plan: Plan) -> tuple[str | None, str | None]:
+def vllm_peer_engine(pair: Pair, plan: Plan) -> tuple[str | None, str | None]:
     """The vllm peer's speculative engine (None: the target alone) and why it cannot draft (None when it can)."""
     try:
-        speculative_config(pair.config.draft, plan.gammas[0], vllm_schedule(pair.config, plan.temperatures))
+        speculative_config(
+            pair.config.draft, plan.num_draft_tokens_list[0], vllm_schedule(pair.config, plan.temperatures)
+        )
     except SpecdecError as exc:
         return None, f"{exc}; the vllm peer runs the target alone."
     return VLLM, None
@@ -145,12 +147,12 @@ def run_vllm(
     on_run: OnRun | None = None,
     on_batch: OnBatch | None = None,
 ) -> VllmRuns:
-    """Every vLLM mode of the plan, at batch 1 and at each larger batch size, an engine per gamma."""
+    """Every vLLM mode of the plan, at batch 1 and at each larger batch size, an engine per num_draft_tokens."""
     done = VllmRuns([], [], False, "", "")
     dtype = str(pair.dtype).removeprefix("torch.")
     schedule = vllm_schedule(pair.config, plan.temperatures)
-    for gamma, modes in plan.vllm_modes().items():
-        speculative = speculative_config(pair.config.draft, gamma, schedule) if gamma else None
+    for num_draft_tokens, modes in plan.vllm_modes().items():
+        speculative = speculative_config(pair.config.draft, num_draft_tokens, schedule) if num_draft_tokens else None
         with VllmWorker(engine_settings(pair.config, dtype, speculative)) as worker:
             done.version, done.device = worker.version, worker.device
 

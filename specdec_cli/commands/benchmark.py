@@ -71,21 +71,21 @@ def prepare(cfg: Config, plan: Plan):
         from specdec_cli.vllm_engine.settings import speculative_config, vllm_schedule
 
         # a draft vLLM cannot run: one line before any work
-        speculative_config(cfg.draft, plan.gammas[0], vllm_schedule(cfg, plan.temperatures))
+        speculative_config(cfg.draft, plan.num_draft_tokens_list[0], vllm_schedule(cfg, plan.temperatures))
         pair = target_text(cfg)  # vLLM loads the models: specdec only encodes the prompts
         caption = VLLM_ENGINE
     else:
         with display.stderr.status(f"Loading {cfg.target.describe()} and {cfg.draft.describe()}..."):
             pair = load_pair(cfg)
     if plan.peer == HF:
-        from specdec_cli.bench.peers import hf_drafting, peer_caption
+        from specdec_cli.bench.peers import hf_peer_engine, peer_caption
 
-        plan.peer_drafting, note = hf_drafting(pair)
-        caption = peer_caption(plan.peer_drafting, note)
+        plan.peer_engine, note = hf_peer_engine(pair)
+        caption = peer_caption(plan.peer_engine, note)
     elif plan.peer == VLLM:
-        from specdec_cli.bench.vllm_peer import VLLM_FAIRNESS, vllm_drafting
+        from specdec_cli.bench.vllm_peer import VLLM_FAIRNESS, vllm_peer_engine
 
-        plan.peer_drafting, note = vllm_drafting(pair, plan)
+        plan.peer_engine, note = vllm_peer_engine(pair, plan)
         caption = " ".join([VLLM_FAIRNESS] + ([note] if note else []))
     if note:
         display.stderr.print(f"Note: {note}")
@@ -144,7 +144,9 @@ def measure(pair, prompts: list[Prompt], plan: Plan) -> Measured:
             measured.batch_runs += done.batch_runs
             measured.partial = done.partial
             measured.versions = {"vllm": done.version, "vllm_device": done.device}
-            measured.warning = cpu_build_sampling(done.device, [m.temperature for m in vllm_modes if m.gamma])
+            measured.warning = cpu_build_sampling(
+                done.device, [m.temperature for m in vllm_modes if m.num_draft_tokens]
+            )
         if batch_task is not None:
             progress.update(batch_task, completed=len(begun))
     return measured

@@ -24,7 +24,8 @@ def load_record(path: Path) -> dict:
     rule = record.get("config", {}).get("speculation", {}).get("verification", "token")
     for row in record["summary"] + (record.get("batch_summary") or []):
         row.setdefault(
-            "verification", rule if row["temperature"] > 0 and row["gamma"] and not row.get("tree") else "token"
+            "verification",
+            rule if row["temperature"] > 0 and row["num_draft_tokens"] and not row.get("tree") else "token",
         )
     return record
 

@@ -58,7 +58,7 @@ def generate_one(cfg: Config, text: str, raw: bool, run: records.Run) -> None:
         display.stderr.print(run.write("generate", cfg.name, record))
         raise
     stream.close()
-    stats = result.stats(decoder.gamma)
+    stats = result.stats(decoder.num_draft_tokens)
     record.update(text=stream.text, token_ids=result.token_ids, stats=stats, steps=[vars(s) for s in result.steps])
     table = display.generation_table(stats, record["environment"], title(cfg))
     run.finish("generate", cfg.name, record, lambda: display.stderr.print(table))
@@ -100,9 +100,11 @@ def generate_many(cfg: Config, prompts: list[Prompt], raw: bool, batch_size: int
         except KeyboardInterrupt:
             partial = True
     results = [r for rows in batches for r in rows]
-    overall = combined(batches).stats(decoder.gamma) if batches else None
+    overall = combined(batches).stats(decoder.num_draft_tokens) if batches else None
     record.update(partial=partial)
-    report_many(cfg, record, prompts, encoded, results, overall, pair.tokenizer, decoder.gamma, run, batch_size)
+    report_many(
+        cfg, record, prompts, encoded, results, overall, pair.tokenizer, decoder.num_draft_tokens, run, batch_size
+    )
     if partial:
         display.stderr.print("Interrupted: the record holds the finished batches (partial: true).")
         raise KeyboardInterrupt
@@ -116,7 +118,7 @@ def report_many(
     results: list[GenerationResult],
     overall: dict | None,
     tokenizer: PreTrainedTokenizerBase,
-    gamma: int,
+    num_draft_tokens: int,
     run: records.Run,
     batch_size: int | None,
 ) -> None:
@@ -130,7 +132,7 @@ def report_many(
             "prompt_ids": ids,
             "text": tokenizer.decode(r.token_ids, skip_special_tokens=True),
             "token_ids": r.token_ids,
-            "stats": r.stats(gamma),
+            "stats": r.stats(num_draft_tokens),
         }
         for p, ids, r in zip(prompts, encoded, results)
     ]
@@ -165,8 +167,8 @@ def generate_vllm(cfg: Config, prompts: list[Prompt], raw: bool, run: records.Ru
     vllm_python()  # before any loading: one line when vLLM is not set up
     tokenizer, eos = load_tokenizer(cfg.target)
     encoded = [encode_prompt(tokenizer, p.turns[0], raw) for p in prompts]
-    gamma = cfg.speculation.num_draft_tokens
-    speculative = speculative_config(cfg.draft, gamma, vllm_schedule(cfg, [cfg.sampling.temperature]))
+    num_draft_tokens = cfg.speculation.num_draft_tokens
+    speculative = speculative_config(cfg.draft, num_draft_tokens, vllm_schedule(cfg, [cfg.sampling.temperature]))
     dtype = str(resolve_dtype(cfg.runtime.dtype, resolve_device(cfg.runtime.device))).removeprefix("torch.")
     settings = engine_settings(cfg, dtype, speculative)
     params = SamplingParams.from_config(cfg.sampling)
@@ -188,5 +190,5 @@ def generate_vllm(cfg: Config, prompts: list[Prompt], raw: bool, run: records.Ru
         "raw": raw,
         "seed": cfg.sampling.seed,
     }
-    overall = combined([results]).stats(gamma)
-    report_many(cfg, record, prompts, encoded, results, overall, tokenizer, gamma, run, None)
+    overall = combined([results]).stats(num_draft_tokens)
+    report_many(cfg, record, prompts, encoded, results, overall, tokenizer, num_draft_tokens, run, None)

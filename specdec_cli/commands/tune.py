@@ -56,8 +56,8 @@ def with_tokens(pair: Pair, tokens: int) -> Pair:
 
 
 def capped_generator(pair: Pair, mode: Mode, plan: Plan, max_new_tokens: int) -> BatchGenerate:
-    """A mode's batches with blocks of at most mode.gamma drafts (run_batches' `make`)."""
-    decoder = with_tokens(pair, mode.gamma).decoder(plan.params(mode.temperature), mode.gamma > 0)
+    """A mode's batches with blocks of at most mode.num_draft_tokens drafts (run_batches' `make`)."""
+    decoder = with_tokens(pair, mode.num_draft_tokens).decoder(plan.params(mode.temperature), mode.num_draft_tokens > 0)
     return lambda prompts, seed: decoder.generate_batch(prompts, max_new_tokens, seed, ignore_eos=plan.ignore_eos)
 
 
@@ -160,8 +160,8 @@ def tune(cfg: Config, prompts: list[Prompt], settings: TuneSettings, run: record
     rows = summarize_batches([], batch_runs)
     for key, choice in choices.items():
         measured = [r for r in rows if (r["temperature"], r["batch_size"]) == key]
-        choice.measured = {r["gamma"]: r["speedup"][0] for r in measured} | ({0: 1.0} if measured else {})
-        choice.accepted_length = {r["gamma"]: r["mean_accepted_length"] for r in measured}
+        choice.measured = {r["num_draft_tokens"]: r["speedup"][0] for r in measured} | ({0: 1.0} if measured else {})
+        choice.accepted_length = {r["num_draft_tokens"]: r["mean_accepted_length"] for r in measured}
     finish(cfg, pair, settings, choices, probes, acceptance, batch_runs, partial, run)
 
 

@@ -1,7 +1,7 @@
 """The drafter contract: what the decode loop (decoding/engine.py) asks of every drafting method.
 
 A drafter drafts for B rows (sequences) at once and sees the same context as the target in each.
-Shapes: g <= gamma draft positions, V the target's vocabulary size, H the target's hidden size.
+Shapes: g <= num_draft_tokens draft positions, V the target's vocabulary size, H the target's hidden size.
 A draft id of -1 marks a position a row did not draft (prompt lookup found less for it): its q is
 all zeros, so the acceptance test rejects it, and the target's own token takes its place.
 
@@ -38,8 +38,8 @@ class Drafter:
         real). Runs before the decode clock starts, so a drafter's pass over the prompts is prefill."""
         raise NotImplementedError
 
-    def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None) -> Drafts:
-        """Up to `gamma` (>= 1) draft tokens per row [B, g] (g may be 0; -1 where a row drafted
+    def propose(self, num_draft_tokens: int, params: SamplingParams, generator: torch.Generator | None) -> Drafts:
+        """Up to `num_draft_tokens` (>= 1) draft tokens per row [B, g] (g may be 0; -1 where a row drafted
         less) and the distributions q [B, g, V] they were drawn from, warped as the target's p is
         (None when greedy: nothing reads q)."""
         raise NotImplementedError

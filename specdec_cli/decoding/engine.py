@@ -68,7 +68,7 @@ class GenerationResult:
         """Decode throughput: new tokens over decode time (prefill excluded)."""
         return len(self.token_ids) / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
-    def stats(self, gamma: int) -> dict:
+    def stats(self, num_draft_tokens: int) -> dict:
         return {
             "new_tokens": len(self.token_ids),
             "stop_reason": self.stop_reason,
@@ -79,10 +79,10 @@ class GenerationResult:
             "mean_accepted_length": mean_accepted_length(self.steps),
             "vllm_mean_acceptance_length": vllm_mean_acceptance_length(self.steps),
             "acceptance_rate": acceptance_rate(self.steps),
-            "acceptance_by_position": acceptance_by_position(self.steps, gamma),
-            "conditional_acceptance_by_position": conditional_acceptance_by_position(self.steps, gamma),
+            "acceptance_by_position": acceptance_by_position(self.steps, num_draft_tokens),
+            "conditional_acceptance_by_position": conditional_acceptance_by_position(self.steps, num_draft_tokens),
             "accepted_length_histogram": accepted_length_histogram(self.steps),
-            **vllm_counters(self.steps),
+            "vllm_counters": vllm_counters(self.steps),
             "draft_seconds": sum(s.draft_seconds for s in self.steps),
             "verify_seconds": sum(s.verify_seconds for s in self.steps),
             "draft_time_share": draft_time_share(self.steps),
@@ -163,8 +163,8 @@ class SpeculativeDecoder:
         self.params = params
         self.tree = tree if drafter is not None else None
         # the most tokens a block can accept: a chain's length, a tree's depth
-        self.gamma = 0 if drafter is None else tree.depth if tree else num_draft_tokens
-        self.width = tree.width if self.tree else self.gamma  # slots a block writes past the context
+        self.num_draft_tokens = 0 if drafter is None else tree.depth if tree else num_draft_tokens
+        self.width = tree.width if self.tree else self.num_draft_tokens  # slots a block writes past the context
         self.eos_token_ids = eos_token_ids
         self.schedule = schedule if drafter is not None and tree is None else None
         self.chain_rule = rule or chain_rule(params)
@@ -211,10 +211,12 @@ class SpeculativeDecoder:
         last_token = to_device([p[-1:] for p in prompts], device)  # [B, 1]
         while active:
             remaining = max(max_new_tokens - len(results[row].token_ids) for row in active)
-            gamma = self._block_length(len(active), remaining)
+            num_draft_tokens = self._block_length(len(active), remaining)
             block_start = self.clock.mark()
-            trees_now = self.tree is not None and gamma
-            block = (self._tree_block if trees_now else self._chain_block)(last_token, gamma, generator, wants_states)
+            trees_now = self.tree is not None and num_draft_tokens
+            block = (self._tree_block if trees_now else self._chain_block)(
+                last_token, num_draft_tokens, generator, wants_states
+            )
             accepted, tokens, draft_ids = block.outcome()
             batch = len(active)
             timeline.block(block_start, block.drafted_at, batch)
@@ -250,8 +252,8 @@ class SpeculativeDecoder:
     def _block_length(self, rows: int, remaining: int) -> int:
         """Draft tokens for a block of `rows` rows: the schedule's for that many, and never past the
         token limit (`remaining` for the row furthest from it; the block's own token takes one)."""
-        scheduled = self.gamma if self.schedule is None else self.schedule.tokens(rows)
-        return min(self.gamma, scheduled, remaining - 1)
+        scheduled = self.num_draft_tokens if self.schedule is None else self.schedule.tokens(rows)
+        return min(self.num_draft_tokens, scheduled, remaining - 1)
 
     def _keep_rows(self, staying: list[int], next_token: torch.Tensor) -> torch.Tensor:
         """Rows that stopped leave both caches; the staying rows' next tokens [B', 1]."""
@@ -264,11 +266,13 @@ class SpeculativeDecoder:
         return next_token[to_device(staying, self.target.device)][:, None]
 
     def _chain_block(
-        self, last_token: torch.Tensor, gamma: int, generator: torch.Generator, wants_states: bool
+        self, last_token: torch.Tensor, num_draft_tokens: int, generator: torch.Generator, wants_states: bool
     ) -> ChainBlock:
-        """Draft a chain of `gamma` (none: the target alone), verify it in one target forward."""
+        """Draft a chain of `num_draft_tokens` (none: the target alone), verify it in one target forward."""
         drafts, draft_probs = (
-            self.drafter.propose(gamma, self.params, generator) if gamma else (last_token[:, :0], None)
+            self.drafter.propose(num_draft_tokens, self.params, generator)
+            if num_draft_tokens
+            else (last_token[:, :0], None)
         )
         draft_end = self.clock.mark()
         verified = self.target.forward(torch.cat([last_token, drafts.clamp_min(0)], dim=1), hidden=wants_states)
@@ -276,7 +280,7 @@ class SpeculativeDecoder:
             self.observe(torch.cat([last_token, drafts], dim=1), verified.logits)
         num_accepted, next_token = self.chain_rule.verify(drafts, draft_probs, verified.logits, self.params, generator)
         states = verified.hidden if wants_states else None
-        return ChainBlock(drafts, num_accepted, next_token, states, draft_end, proposed=gamma > 0)
+        return ChainBlock(drafts, num_accepted, next_token, states, draft_end, proposed=num_draft_tokens > 0)
 
     def _tree_block(
         self, last_token: torch.Tensor, depth: int, generator: torch.Generator, wants_states: bool

@@ -1,7 +1,7 @@
 """Per-step records of a speculative decode loop and the numbers a benchmark reports.
 
 Glossary:
-  drafted   -- tokens the draft model proposed in one block (gamma, or fewer near the end).
+  drafted   -- tokens the draft model proposed in one block (num_draft_tokens, or fewer near the end).
   accepted  -- the longest prefix of the drafted tokens that the verifier kept.
   recovered -- when a draft token is rejected, the verifier samples a replacement from the
                residual distribution max(0, p_target - p_draft), normalised; that token is
@@ -66,28 +66,28 @@ def acceptance_rate(steps: list[StepRecord]) -> float | None:
     return sum(s.accepted for s in steps) / drafted
 
 
-def acceptance_by_position(steps: list[StepRecord], gamma: int) -> list[float | None]:
-    """Acceptance rate of draft positions 1..gamma, and beyond where a step drafted more (prompt
-    lookup ahead of a draft model may draft longer blocks than the model's gamma).
+def acceptance_by_position(steps: list[StepRecord], num_draft_tokens: int) -> list[float | None]:
+    """Acceptance rate of draft positions 1..num_draft_tokens, and beyond where a step drafted more (prompt
+    lookup ahead of a draft model may draft longer blocks than the model's num_draft_tokens).
 
     Position i counts as accepted in a step when accepted >= i, among the steps that drafted
     at least i tokens; acceptance is a prefix, so this is P(position i kept | it was drafted).
     An entry is None when no step drafted that far.
     """
     rates: list[float | None] = []
-    for i in range(1, max([gamma] + [s.drafted for s in steps]) + 1):
+    for i in range(1, max([num_draft_tokens] + [s.drafted for s in steps]) + 1):
         reached = [s for s in steps if s.drafted >= i]
         rates.append(sum(s.accepted >= i for s in reached) / len(reached) if reached else None)
     return rates
 
 
-def conditional_acceptance_by_position(steps: list[StepRecord], gamma: int) -> list[float | None]:
+def conditional_acceptance_by_position(steps: list[StepRecord], num_draft_tokens: int) -> list[float | None]:
     """Acceptance of draft position i given that positions 1..i-1 were kept (SPEED-Bench's per-position
     figure): among the steps that drafted at least i tokens and accepted at least i - 1, the share
     that accepted i. Position 1 equals acceptance_by_position's; later ones are its ratios, so a weak
     deep position shows here even when few blocks reach it. None where no step reached a position."""
     rates: list[float | None] = []
-    for i in range(1, max([gamma] + [s.drafted for s in steps]) + 1):
+    for i in range(1, max([num_draft_tokens] + [s.drafted for s in steps]) + 1):
         reached = [s for s in steps if s.drafted >= i and s.accepted >= i - 1]
         rates.append(sum(s.accepted >= i for s in reached) / len(reached) if reached else None)
     return rates
@@ -129,22 +129,22 @@ def cost_ratio(draft_seconds_per_token: float, target_seconds_per_forward: float
     return draft_seconds_per_token / target_seconds_per_forward
 
 
-def predicted_speedup(alpha: float, gamma: int, c: float) -> float:
+def predicted_speedup(alpha: float, num_draft_tokens: int, c: float) -> float:
     """Expected wall-time speedup over target-only decoding (Leviathan et al. 2023, Thm 3.8).
 
-        (1 - alpha^(gamma+1)) / ((1 - alpha) * (gamma*c + 1))
+        (1 - alpha^(g+1)) / ((1 - alpha) * (g*c + 1))
 
-    alpha is the per-token acceptance rate, gamma the draft length, c the cost ratio.
-    The numerator over (1 - alpha) is summed as the geometric series 1 + alpha + ... + alpha^gamma,
-    which equals the formula for alpha < 1 and gives the alpha -> 1 limit (gamma+1) exactly,
+    alpha is the per-token acceptance rate, g = num_draft_tokens (the paper's gamma), c the cost ratio.
+    The numerator over (1 - alpha) is summed as the geometric series 1 + alpha + ... + alpha^g,
+    which equals the formula for alpha < 1 and gives the alpha -> 1 limit (g+1) exactly,
     without dividing by a tiny (1 - alpha).
     """
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-    if gamma < 0 or c < 0:
-        raise ValueError("gamma and c must be non-negative")
-    expected_tokens = sum(alpha**k for k in range(gamma + 1))
-    return expected_tokens / (gamma * c + 1)
+    if num_draft_tokens < 0 or c < 0:
+        raise ValueError("num_draft_tokens and c must be non-negative")
+    expected_tokens = sum(alpha**k for k in range(num_draft_tokens + 1))
+    return expected_tokens / (num_draft_tokens * c + 1)
 
 
 def block_costs(spec_steps: list[StepRecord], base_steps: list[StepRecord]) -> tuple[float, float] | None:
@@ -197,7 +197,7 @@ def per_token_acceptance(steps: list[StepRecord]) -> float | None:
     """Leviathan's alpha, estimated as accepted / (accepted + rejections).
 
     Acceptance stops at the first rejection, so positions after it are never tested; accepted/drafted
-    counts them as failures and underestimates alpha (gamma 4, alpha 0.5 gives 0.23). Each block is
+    counts them as failures and underestimates alpha (num_draft_tokens 4, alpha 0.5 gives 0.23). Each block is
     a run of successes ended by one failure unless all drafts passed: this is the maximum-likelihood
     alpha of that geometric model."""
     accepted = sum(s.accepted for s in steps)

@@ -1,7 +1,7 @@
 """Warping and the speculative acceptance test.
 
 Glossary (as in vLLM's rejection sampler):
-- draft tokens: the gamma tokens the drafter proposed, drawn from its distributions q.
+- draft tokens: the num_draft_tokens tokens the drafter proposed, drawn from its distributions q.
 - accepted tokens: the leading draft tokens that pass the test u * q(x) < p(x), i.e. each is kept
   with probability min(1, p(x) / q(x)).
 - recovered token: at the first rejected position, a token drawn from norm(max(0, p - q)).
@@ -88,15 +88,17 @@ def verify_sampled(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept-or-resample. draft_tokens: [B, g]; draft_probs: [B, g, V]; target_probs: [B, g + 1, V]
     -> (num_accepted [B], next_token [B]): the recovered token, or the bonus token if all passed."""
-    batch, gamma = draft_tokens.shape
+    batch, num_draft_tokens = draft_tokens.shape
     drafted = draft_tokens.clamp_min(0)[..., None]  # -1 (not drafted) has q = 0 everywhere: rejected below
-    p = target_probs[:, :gamma].gather(-1, drafted)[..., 0].double()  # [B, g]
+    p = target_probs[:, :num_draft_tokens].gather(-1, drafted)[..., 0].double()  # [B, g]
     q = draft_probs.gather(-1, drafted)[..., 0].double()  # [B, g]
-    u = torch.rand(batch, gamma, dtype=torch.float64, device=p.device, generator=generator)
+    u = torch.rand(batch, num_draft_tokens, dtype=torch.float64, device=p.device, generator=generator)
     # q == 0 means the draft could not have proposed x: reject (also avoids 0 / 0)
     num_accepted = accepted_prefix_length((u * q < p) & (q > 0))
     # row i < g: the residual at draft position i; row g: the bonus distribution
-    candidates = torch.cat([residual(target_probs[:, :gamma], draft_probs), target_probs[:, gamma:]], 1)
+    candidates = torch.cat(
+        [residual(target_probs[:, :num_draft_tokens], draft_probs), target_probs[:, num_draft_tokens:]], 1
+    )
     chosen = candidates[torch.arange(batch, device=p.device), num_accepted]  # [B, V]
     return num_accepted, sample(chosen, generator)
 
@@ -108,9 +110,9 @@ def block_acceptance(
     block keeps at least its first i drafts whatever the draws after them (i = 1..g), and the corrections
     w [B, g + 1, V]: w_i is the unnormalised distribution of the token after i kept drafts (w_g: the
     bonus distribution, scaled). draft_tokens: [B, g]; draft_probs: [B, g, V]; target_probs: [B, g + 1, V]."""
-    gamma = draft_tokens.shape[1]
+    num_draft_tokens = draft_tokens.shape[1]
     drafted = draft_tokens.clamp_min(0)[..., None]  # -1 (not drafted) has q = 0 everywhere: the block ends before it
-    p = target_probs[:, :gamma].gather(-1, drafted)[..., 0].double()  # [B, g]
+    p = target_probs[:, :num_draft_tokens].gather(-1, drafted)[..., 0].double()  # [B, g]
     q = draft_probs.gather(-1, drafted)[..., 0].double()  # [B, g]
     log_ratio = torch.where(q > 0, p.log() - q.log(), -math.inf)  # q == 0: the draft could not have proposed x
     # k_i = min(1, k_{i-1} r_i) from k_0 = 1 has the closed form log k_i = S_i - max_{j <= i} S_j, where
@@ -161,11 +163,13 @@ def verify_block(
     Never worse: k_i >= min(1, r_1) ... min(1, r_i), token verification's chance to keep x^i, and by
     1. the expected number kept is sum_i E[k_i].
     """
-    batch, gamma = draft_tokens.shape
+    batch, num_draft_tokens = draft_tokens.shape
     h, leftover = block_acceptance(draft_tokens, draft_probs, target_probs)
-    eta = torch.rand(batch, gamma, dtype=torch.float64, device=h.device, generator=generator)
+    eta = torch.rand(batch, num_draft_tokens, dtype=torch.float64, device=h.device, generator=generator)
     passed = torch.cat([torch.ones(batch, 1, dtype=torch.bool, device=h.device), eta < h], dim=1)
-    num_accepted = (passed * torch.arange(gamma + 1, device=h.device)).amax(dim=-1)  # tau: the last that passed
+    num_accepted = (passed * torch.arange(num_draft_tokens + 1, device=h.device)).amax(
+        dim=-1
+    )  # tau: the last that passed
     rows = torch.arange(batch, device=h.device)
     chosen = leftover[rows, num_accepted]  # [B, V]
     # nothing left over (a stop of probability 0, reached by rounding): the target's own distribution

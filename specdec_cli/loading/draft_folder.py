@@ -160,7 +160,7 @@ def read_folder(path: Path) -> DraftFolder | None:
     return DraftFolder(path, config)
 
 
-class Drafting(NamedTuple):
+class Wiring(NamedTuple):
     """A loaded draft made ready to draft: its drafter, the target hidden states the target hands it
     (loading/target_states.py's convention), and what it reads, said in words."""
 
@@ -176,8 +176,8 @@ class Format:
     claims: Callable[[DraftFolder], bool]  # from config.json (or a file of its own): no tensor is read
     load: Callable[[DraftFolder, PreTrainedModel, torch.dtype], torch.nn.Module]
     # the loaded draft, the target's vocabulary size, the confidence threshold and whether decoding
-    # forwards replay CUDA graphs -> its drafting
-    drafting: Callable[[torch.nn.Module, int, float, bool], Drafting]
+    # forwards replay CUDA graphs -> its wiring
+    wire: Callable[[torch.nn.Module, int, float, bool], Wiring]
     architectures: tuple[str, ...] = ()  # the `architectures` names of its configs that transformers lacks
     # from the tensor names, for a config that does not say (EAGLE-1's is a plain Llama config)
     matches: Callable[[DraftFolder], bool] = lambda folder: False

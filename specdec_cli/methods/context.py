@@ -16,7 +16,7 @@ from specdec_cli.decoding.tree import DraftTree
 
 
 class ContextDrafter(Drafter):
-    """A row's draft is `lookup(gamma, row)` (a chain) or `lookup_tree(shape, row)` (tokens and
+    """A row's draft is `lookup(num_draft_tokens, row)` (a chain) or `lookup_tree(shape, row)` (tokens and
     parent slots: 0 the root, node i is slot i + 1, a parent before its children, siblings distinct),
     read from `self.contexts`."""
 
@@ -25,7 +25,7 @@ class ContextDrafter(Drafter):
         self.device = device
         self.contexts: list[list[int]] = []  # one per row
 
-    def lookup(self, gamma: int, row: int) -> list[int]:
+    def lookup(self, num_draft_tokens: int, row: int) -> list[int]:
         raise NotImplementedError
 
     def lookup_tree(self, shape: TreeShape, row: int) -> tuple[list[int], list[int]]:
@@ -49,12 +49,12 @@ class ContextDrafter(Drafter):
         tokens, parents = to_device(padded, self.device).view(2, len(found), width)
         return DraftTree(tokens, parents, depth)
 
-    def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None) -> Drafts:
-        return self.drafts(self.find(gamma), params)
+    def propose(self, num_draft_tokens: int, params: SamplingParams, generator: torch.Generator | None) -> Drafts:
+        return self.drafts(self.find(num_draft_tokens), params)
 
-    def find(self, gamma: int) -> list[list[int]]:
+    def find(self, num_draft_tokens: int) -> list[list[int]]:
         """Each row's lookup (host lists: deciding on them costs no device sync)."""
-        return [self.lookup(gamma, row) for row in range(len(self.contexts))]
+        return [self.lookup(num_draft_tokens, row) for row in range(len(self.contexts))]
 
     def drafts(self, found: list[list[int]], params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft tokens [B, g], -1 where a row found less, and their one-hot q (None when greedy)."""

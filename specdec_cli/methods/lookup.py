@@ -45,13 +45,15 @@ class LookupFirstDrafter(Drafter):
         self.lookup.start(prompts, max_tokens, target_states)
         self.model.start(prompts, max_tokens, target_states)
 
-    def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None) -> Drafts:
+    def propose(self, num_draft_tokens: int, params: SamplingParams, generator: torch.Generator | None) -> Drafts:
         length = self.lookup_tokens if params.greedy else self.lookup_length
-        found = self.lookup.find(gamma if length is None else min(gamma, length))
+        found = self.lookup.find(num_draft_tokens if length is None else min(num_draft_tokens, length))
         self.model_drafted = not all(found)
         if self.model_drafted:
-            model_gamma = gamma if self.model_tokens is None else min(gamma, self.model_tokens)
-            return self.model.propose(model_gamma, params, generator)
+            model_num_draft_tokens = (
+                num_draft_tokens if self.model_tokens is None else min(num_draft_tokens, self.model_tokens)
+            )
+            return self.model.propose(model_num_draft_tokens, params, generator)
         return self.lookup.drafts(found, params)
 
     def propose_tree(self, shape: TreeShape, params: SamplingParams, generator: torch.Generator | None) -> DraftTree:

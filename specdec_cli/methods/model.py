@@ -98,10 +98,10 @@ class ModelDrafter(Drafter):
             self.model.forward(ids, counts=counts, logits="none")
         self.pending = [p[-1:] for p in prompts]
 
-    def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None) -> Drafts:
+    def propose(self, num_draft_tokens: int, params: SamplingParams, generator: torch.Generator | None) -> Drafts:
         tokens, probs = [], []
         next_input, counts = right_padded(self.pending, self.model.device)
-        for step in range(gamma):
+        for step in range(num_draft_tokens):
             logits = self.model.forward(next_input, counts=counts, logits="last").logits[:, -1]
             token, q = draft_token(logits, params, generator)
             if stops_unsure(self.model, step, logits, q, self.confidence_threshold):
@@ -113,11 +113,11 @@ class ModelDrafter(Drafter):
         return stack_drafts(tokens, probs, len(self.pending), self.model.vocab_size, self.model.device)
 
     def commit(self, draft_ids: Rows, num_accepted: list[int], next_tokens: list[int], target_states: States) -> None:
-        gamma = len(draft_ids[0])
+        num_draft_tokens = len(draft_ids[0])
         # the last draft token was never fed to the draft model: a row that accepted all catches up on it
-        self.model.rollback([gamma - 1 - min(accepted, gamma - 1) for accepted in num_accepted])
+        self.model.rollback([num_draft_tokens - 1 - min(accepted, num_draft_tokens - 1) for accepted in num_accepted])
         self.pending = [
-            ids[-1:] + [token] if accepted == gamma else [token]
+            ids[-1:] + [token] if accepted == num_draft_tokens else [token]
             for ids, accepted, token in zip(draft_ids, num_accepted, next_tokens)
         ]
 

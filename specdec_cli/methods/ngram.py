@@ -29,8 +29,8 @@ class NgramDrafter(ContextDrafter):
                 if ctx[start : start + n] == suffix:
                     yield ctx[start + n : start + n + length]
 
-    def lookup(self, gamma: int, row: int = 0) -> list[int]:
-        return next(self.continuations(gamma, row), [])
+    def lookup(self, num_draft_tokens: int, row: int = 0) -> list[int]:
+        return next(self.continuations(num_draft_tokens, row), [])
 
     def lookup_tree(self, shape: TreeShape, row: int) -> tuple[list[int], list[int]]:
         """The first top_k `continuations` (depth tokens each) that add to the tree, merged into a trie

@@ -67,10 +67,10 @@ class RecyclingDrafter(Drafter):
         ranked = logits[..., : self.vocab_size].topk(self.table.shape[1], dim=-1).indices
         self.table.index_copy_(0, rows, ranked.flatten(0, 1))
 
-    def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None) -> Drafts:
+    def propose(self, num_draft_tokens: int, params: SamplingParams, generator: torch.Generator | None) -> Drafts:
         token = to_device(self.last, self.device)
         drafts = []
-        for _ in range(gamma):
+        for _ in range(num_draft_tokens):
             token = self.table[token, 0]
             drafts.append(token)
         tokens = torch.stack(drafts, dim=1)

@@ -241,8 +241,8 @@ class SuffixDrafter(ContextDrafter):
                 best = found
         return best
 
-    def lookup(self, gamma: int, row: int = 0) -> list[int]:
-        best = self.best(row, lambda node, budget: chain(node, budget, self.min_token_prob), gamma)
+    def lookup(self, num_draft_tokens: int, row: int = 0) -> list[int]:
+        best = self.best(row, lambda node, budget: chain(node, budget, self.min_token_prob), num_draft_tokens)
         return best[0] if best else []
 
     def lookup_tree(self, shape: TreeShape, row: int) -> tuple[list[int], list[int]]:

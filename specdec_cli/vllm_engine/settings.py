@@ -38,27 +38,27 @@ def vllm_schedule(cfg: Config, temperatures: list[float]) -> BatchSchedule | Non
     return schedules.pop()
 
 
-def speculative_config(draft: DraftSpec, gamma: int, schedule: BatchSchedule | None = None) -> dict:
-    """vLLM's speculative_config for the config's draft drafting `gamma` tokens per block (by batch size
+def speculative_config(draft: DraftSpec, num_draft_tokens: int, schedule: BatchSchedule | None = None) -> dict:
+    """vLLM's speculative_config for the config's draft drafting `num_draft_tokens` tokens per block (by batch size
     where a schedule says so: vLLM's `num_speculative_tokens_per_batch_size`); a draft vLLM has no
     counterpart of is a SpecdecError that says so."""
-    speculative = drafting_config(draft, gamma)
+    speculative = drafting_config(draft, num_draft_tokens)
     if schedule is not None:
         speculative["num_speculative_tokens_per_batch_size"] = [list(entry) for entry in schedule.ranges]
     return speculative
 
 
-def drafting_config(draft: DraftSpec, gamma: int) -> dict:
+def drafting_config(draft: DraftSpec, num_draft_tokens: int) -> dict:
     if draft.lookup is not None:
         raise SpecdecError("vLLM has no equivalent of prompt lookup ahead of a draft model (draft.lookup)")
     if draft.recycling is not None:
         raise SpecdecError("vLLM has no token recycling (draft.recycling)")
     if draft.suffix is not None:
-        return suffix_config(draft, gamma)
+        return suffix_config(draft, num_draft_tokens)
     if draft.ngram is not None:
         return {
             "method": "ngram",
-            "num_speculative_tokens": gamma,
+            "num_speculative_tokens": num_draft_tokens,
             "prompt_lookup_min": draft.ngram.min_n,
             "prompt_lookup_max": draft.ngram.max_n,
         }
@@ -69,13 +69,13 @@ def drafting_config(draft: DraftSpec, gamma: int) -> dict:
             f"the draft {draft.describe()} ({kind} format) has no vLLM equivalent"
             + (": `specdec distill --format eagle3` writes one vLLM reads" if kind == "specdec" else "")
         )
-    speculative = {"method": VLLM_METHODS[kind], "model": path, "num_speculative_tokens": gamma}
+    speculative = {"method": VLLM_METHODS[kind], "model": path, "num_speculative_tokens": num_draft_tokens}
     if kind is None:  # vLLM's draft model drafts its argmax unless told to sample, as specdec's does
         speculative["draft_sample_method"] = "probabilistic"
     return speculative
 
 
-def suffix_config(draft: DraftSpec, gamma: int) -> dict:
+def suffix_config(draft: DraftSpec, num_draft_tokens: int) -> dict:
     """vLLM's suffix decoding (`method: suffix`, from the arctic-inference package) with specdec's settings."""
     suffix = draft.suffix
     if draft.has_model:
@@ -84,7 +84,7 @@ def suffix_config(draft: DraftSpec, gamma: int) -> dict:
         raise SpecdecError("vLLM's suffix decoding has no max_spec_offset: set draft.suffix.max_spec_offset 0")
     return {
         "method": "suffix",
-        "num_speculative_tokens": gamma,
+        "num_speculative_tokens": num_draft_tokens,
         "suffix_decoding_max_tree_depth": suffix.max_tree_depth,
         "suffix_decoding_max_cached_requests": suffix.max_cached_requests,
         "suffix_decoding_max_spec_factor": suffix.max_spec_factor,

@@ -9,13 +9,13 @@ Five checks, all through the code `generate` uses (the sampler functions are loo
    frequent token 1 (and the bonus token against the distribution after the last position);
    with a draft tree, N draws of the tree's rules at a node too: children q's top-k tokens (deterministic
    candidates), and children drawn from q without replacement (recursive rejection sampling);
-2. first token: N speculative runs (seeds s, s+1, ...) of BLOCKS * (gamma + 1) tokens each, token 1
+2. first token: N speculative runs (seeds s, s+1, ...) of BLOCKS * (num_draft_tokens + 1) tokens each, token 1
    against the exact warped target distribution;
-3. positions 2..gamma+1: the same runs, conditional on their most frequent prefixes, against the
+3. positions 2..num_draft_tokens+1: the same runs, conditional on their most frequent prefixes, against the
    target's exact conditional distribution, one pooled test per position;
 4. every token: each token of every run ranked in the target's exact distribution after that run's own
    prefix (a randomized probability integral transform, uniform under exactness), one test per block
-   of gamma + 1 positions; this reaches past the first block, where rare prefixes leave check 3 no data;
+   of num_draft_tokens + 1 positions; this reaches past the first block, where rare prefixes leave check 3 no data;
 5. greedy identity: speculative greedy output equals target-only greedy output.
 
 The goodness-of-fit tests are Pearson chi-square tests on bins that pool rare tokens; all of them form
@@ -117,7 +117,7 @@ def verify_distribution(
         "summary": {"passed": count[PASS], "failed": count[FAIL], "not_run": count[NOT_RUN]},
         "settings": {
             **asdict(settings),
-            "gamma": cfg.speculation.num_draft_tokens,
+            "num_draft_tokens": cfg.speculation.num_draft_tokens,
             "multiplicity": "holm",
             "min_expected_per_bin": MIN_EXPECTED,
         },

@@ -39,7 +39,7 @@ SAMPLER_ELEMENTS = 2**24  # rows per sampler call: each [rows, 3, V] float32 ten
 # logit differences below this are floating-point ties: between the target's top-2 (either is a fair
 # argmax), or between a token and the top-k/top-p cut (the generating forward may have kept it)
 TIE_MARGIN = {torch.float32: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.1}
-BLOCKS = 2  # runs generate BLOCKS * (gamma + 1) tokens: later blocks start from rolled-back caches
+BLOCKS = 2  # runs generate BLOCKS * (num_draft_tokens + 1) tokens: later blocks start from rolled-back caches
 MODEL_CHECKS = ("2 ", "3 ", "4 ")  # the statistical checks on the model pair, by row prefix
 
 
@@ -241,15 +241,18 @@ def speculative_runs(
     advance: Advance,
     batch_size: int = 1,
 ) -> Runs:
-    """`runs` independent speculative generations of blocks * (gamma + 1) tokens, as rows of batches of
+    """`runs` independent speculative generations of blocks * (num_draft_tokens + 1) tokens, as rows of batches of
     `batch_size` copies of the prompt (seeds seed, seed + batch_size, ...): the first block drafts the
-    full gamma, so every draft position and the bonus token are exercised, and the next blocks start
+    full num_draft_tokens, so every draft position and the bonus token are exercised, and the next blocks start
     from caches rolled back after a rejection or a full acceptance."""
     decoder = pair.decoder(params)
     outputs, drafted, accepted = [], 0, 0
     for start in range(0, runs, batch_size):
         rows = decoder.generate_batch(
-            [prompt_ids] * min(batch_size, runs - start), blocks * (decoder.gamma + 1), seed + start, ignore_eos=True
+            [prompt_ids] * min(batch_size, runs - start),
+            blocks * (decoder.num_draft_tokens + 1),
+            seed + start,
+            ignore_eos=True,
         )
         for result in rows:
             outputs.append(result.token_ids)
@@ -304,7 +307,7 @@ def check_model(
     blocks: int = BLOCKS,
     batch_size: int = 1,
 ) -> list[Row]:
-    """Checks 2-4 on `runs` speculative generations of blocks * (gamma + 1) tokens from `prompt_ids`."""
+    """Checks 2-4 on `runs` speculative generations of blocks * (num_draft_tokens + 1) tokens from `prompt_ids`."""
     result = speculative_runs(
         pair, prompt_ids, params, runs, seed, blocks, stage(f"speculative runs, {label}", runs), batch_size
     )
@@ -325,9 +328,9 @@ def check_token_runs(
     seed: int = 0,
 ) -> list[Row]:
     """Checks 2-4 on independent runs of equally many tokens sampled after `prompt_ids` (rows [runs, k]);
-    check 4 tests them in windows of gamma + 1 positions, so the first is the first block's."""
+    check 4 tests them in windows of num_draft_tokens + 1 positions, so the first is the first block's."""
     tokens = np.array(runs)
-    vocab, span = pair.target.vocab_size, pair.decoder(params).gamma + 1  # the longest block's
+    vocab, span = pair.target.vocab_size, pair.decoder(params).num_draft_tokens + 1  # the longest block's
     advance = stage(f"target references, {label}", span + len(tokens))
     fit = Fit()
     margin = tie_margin(pair)
@@ -432,7 +435,7 @@ def run_checks(pair: Pair, settings: Settings, stage: Stage = no_progress) -> li
     )
     encoded = [pair.encode(text) for text in s.prompts]
     for ids in encoded:
-        pair.check_fits(ids, max(s.greedy_tokens, BLOCKS * (pair.decoder(s.params).gamma + 1)))
+        pair.check_fits(ids, max(s.greedy_tokens, BLOCKS * (pair.decoder(s.params).num_draft_tokens + 1)))
     for i, ids in enumerate(encoded):
         rows += check_model(
             pair, ids, f"prompt {i + 1}", s.params, s.samples, s.seed, s.significance, stage, batch_size=s.batch_size

@@ -30,7 +30,7 @@ from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
 from specdec_cli.errors import SpecdecError
-from specdec_cli.loading.draft_folder import DraftFolder, Drafting, Format
+from specdec_cli.loading.draft_folder import DraftFolder, Format, Wiring
 from specdec_cli.loading.target_states import check_states, from_outputs
 from specdec_cli.methods.dflash.drafter import BlockDrafter
 from specdec_cli.methods.feature.eagle import draft_head, with_dtype
@@ -312,9 +312,9 @@ def check_tensors_fit(expected: dict[str, torch.Tensor], tensors: dict[str, torc
         )
 
 
-def drafting(draft: DFlashDraft, vocab_size: int, confidence_threshold: float, graphs: bool) -> Drafting:
+def wire(draft: DFlashDraft, vocab_size: int, confidence_threshold: float, graphs: bool) -> Wiring:
     """One forward drafts a block, reading the target's states at every verified token (eagerly)."""
-    return Drafting(
+    return Wiring(
         BlockDrafter(draft, vocab_size),
         draft.state_layers,
         f"blocks of {draft.block_size}, reads the target's hidden states {list(draft.state_layers)} "
@@ -322,4 +322,4 @@ def drafting(draft: DFlashDraft, vocab_size: int, confidence_threshold: float, g
     )
 
 
-FORMAT = Format(claims=recognise, load=load, drafting=drafting, architectures=(ARCHITECTURE,))
+FORMAT = Format(claims=recognise, load=load, wire=wire, architectures=(ARCHITECTURE,))

@@ -75,10 +75,10 @@ class BlockDrafter(Drafter):
         context = [(keys[:, :, :seen], values[:, :, :seen]) for keys, values in self.store]
         return self.model(ids, positions, context, visible)
 
-    def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None) -> Drafts:
-        # a block of fixed size is run whatever gamma is (its positions attend to each other), and
-        # the first gamma positions drafted, each from its own q
-        return draft_token(self.logits()[:, :gamma], params, generator)
+    def propose(self, num_draft_tokens: int, params: SamplingParams, generator: torch.Generator | None) -> Drafts:
+        # a block of fixed size is run whatever num_draft_tokens is (its positions attend to each other), and
+        # the first num_draft_tokens positions drafted, each from its own q
+        return draft_token(self.logits()[:, :num_draft_tokens], params, generator)
 
     def propose_tree(self, shape: TreeShape, params: SamplingParams, generator: torch.Generator | None) -> DraftTree:
         """The static top-k tree over the block's positions (decoding/tree.py's `static_tree`), from

@@ -33,7 +33,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreT
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from specdec_cli.errors import SpecdecError
-from specdec_cli.loading.draft_folder import DraftFolder, Drafting, Format
+from specdec_cli.loading.draft_folder import DraftFolder, Format, Wiring
 from specdec_cli.loading.target_states import LAST, TARGET_LAYERS, check_states, target_layers
 from specdec_cli.methods.feature.drafter import FeatureDrafter
 from specdec_cli.methods.feature.parts import FEATURES, TAPS, SubsetHead
@@ -181,14 +181,12 @@ def load(folder: DraftFolder, target: PreTrainedModel, dtype: torch.dtype) -> Pr
     return model
 
 
-def drafting(draft: PreTrainedModel, vocab_size: int, confidence_threshold: float, graphs: bool) -> Drafting:
+def wire(draft: PreTrainedModel, vocab_size: int, confidence_threshold: float, graphs: bool) -> Wiring:
     """A feature draft (specdec's or EAGLE's) drafts token by token, reading the target states its
     config names; its layer's forwards replay CUDA graphs with `graphs`."""
     states = target_layers(draft)
     read = "last hidden state" if states == LAST else f"hidden states {list(states)}"
-    return Drafting(
-        FeatureDrafter(draft, vocab_size, confidence_threshold, graphs), states, f"reads the target's {read}"
-    )
+    return Wiring(FeatureDrafter(draft, vocab_size, confidence_threshold, graphs), states, f"reads the target's {read}")
 
 
-FORMAT = Format(claims=lambda folder: (folder.path / DRAFT_INFO).is_file(), load=load, drafting=drafting)
+FORMAT = Format(claims=lambda folder: (folder.path / DRAFT_INFO).is_file(), load=load, wire=wire)

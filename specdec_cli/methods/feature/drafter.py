@@ -58,7 +58,7 @@ class FeatureDrafter(Drafter):
         inputs = feature_inputs(self.model.model, ids, read_target(self.model.model, right_padded_states(states)))
         return self.model.forward(inputs_embeds=inputs, counts=counts, logits=logits, hidden=True)
 
-    def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None) -> Drafts:
+    def propose(self, num_draft_tokens: int, params: SamplingParams, generator: torch.Generator | None) -> Drafts:
         # a row after a one-token prompt has no state to read yet: it drafts nothing this block
         rows_without_state = [not p for p in self.pending]  # decided on the host: no device sync
         tokens, probs = [], []
@@ -66,7 +66,7 @@ class FeatureDrafter(Drafter):
             out = self._forward(self.pending, self.pending_states, "last")
             last = to_device([max(len(p) - 1, 0) for p in self.pending], self.model.device)  # each row's last input
             logits, states = out.logits[:, -1], out.hidden[torch.arange(len(last), device=last.device), last][:, None]
-            for step in range(gamma):
+            for step in range(num_draft_tokens):
                 if step:
                     out = self.model.forward(
                         inputs_embeds=feature_inputs(self.model.model, tokens[-1][:, None], states),

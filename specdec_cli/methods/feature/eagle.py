@@ -1,5 +1,5 @@
 """EAGLE drafts as other tools publish them, loaded as feature drafts (methods/feature/draft.py's
-`drafting`: `FeatureDrafter` runs them unchanged):
+`wire`: `FeatureDrafter` runs them unchanged):
 
 - `EAGLE` (EAGLE-1/2, SafeAILab layout): `fc` [H, 2H] (a bias unless the config says `"bias": false`)
   is the feature projection over [token embedding, state]; then Llama decoder layers, the first
@@ -30,7 +30,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 from specdec_cli.errors import SpecdecError
 from specdec_cli.loading.draft_folder import DraftFolder, Format
 from specdec_cli.loading.target_states import TARGET_LAYERS, check_states, from_outputs
-from specdec_cli.methods.feature.draft import drafting
+from specdec_cli.methods.feature.draft import wire
 from specdec_cli.methods.feature.parts import FEATURES, TAPS, SubsetHead
 
 # ---------------------------------------------------------------- shared checks and loading
@@ -379,14 +379,14 @@ def load_eagle3(folder: DraftFolder, target: PreTrainedModel, dtype: torch.dtype
 EAGLE = Format(
     claims=is_eagle,
     load=load_eagle,
-    drafting=drafting,
+    wire=wire,
     architectures=("EagleLlamaForCausalLM",),
     matches=has_eagle_tensors,
 )
 EAGLE3 = Format(
     claims=is_eagle3,
     load=load_eagle3,
-    drafting=drafting,
+    wire=wire,
     architectures=EAGLE3_ARCHITECTURES,
     matches=has_eagle3_tensors,
 )

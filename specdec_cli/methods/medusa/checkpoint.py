@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import torch
 
 from specdec_cli.errors import SpecdecError
-from specdec_cli.loading.draft_folder import DraftFolder, Drafting, Format
+from specdec_cli.loading.draft_folder import DraftFolder, Format, Wiring
 from specdec_cli.loading.target_states import LAST
 from specdec_cli.methods.medusa.drafter import MedusaDrafter
 
@@ -203,11 +203,11 @@ def vllm_layout(
     return blocks, heads, token_map
 
 
-def drafting(heads: MedusaHeads, vocab_size: int, confidence_threshold: float, graphs: bool) -> Drafting:
+def wire(heads: MedusaHeads, vocab_size: int, confidence_threshold: float, graphs: bool) -> Wiring:
     """One pass of its heads drafts a block from the target's last state (eagerly: heads alone)."""
-    return Drafting(
+    return Wiring(
         MedusaDrafter(heads, vocab_size), LAST, f"{heads.num_heads} heads, reads the target's last hidden state"
     )
 
 
-FORMAT = Format(claims=recognise, load=load, drafting=drafting, architectures=("MedusaModel",))
+FORMAT = Format(claims=recognise, load=load, wire=wire, architectures=("MedusaModel",))

@@ -39,13 +39,13 @@ class MedusaDrafter(Drafter):
         """[B, num_heads, V]: the first heads' logits from each row's state."""
         return self.heads(self.states.to(self.heads.heads[0].weight.dtype), num_heads)
 
-    def propose(self, gamma: int, params: SamplingParams, generator: torch.Generator | None) -> Drafts:
+    def propose(self, num_draft_tokens: int, params: SamplingParams, generator: torch.Generator | None) -> Drafts:
         batch = len(self.has_state)
         if not any(self.has_state):
             empty = torch.zeros(batch, 0, dtype=torch.long, device=self.device)
             return empty, None if params.greedy else torch.zeros(batch, 0, self.vocab_size, device=self.device)
         # every position from its own head's q, drawn and tested as it is: no position reads another
-        tokens, q = draft_token(self.logits(min(gamma, self.heads.num_heads)), params, generator)
+        tokens, q = draft_token(self.logits(min(num_draft_tokens, self.heads.num_heads)), params, generator)
         stateless = to_device([not s for s in self.has_state], self.device, torch.bool)
         tokens = tokens.masked_fill(stateless[:, None], NOT_DRAFTED)
         return tokens, None if q is None else q.masked_fill(stateless[:, None, None], 0.0)
