@@ -119,8 +119,8 @@ class Pair:
             "dtype": str(self.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(),
             "cuda_graphs": self.target.graphed is not None,
-            # which product served the CPU float32 decoding matmuls (decode_matmul.py); None elsewhere
-            "decode_matmul": PROCESS_CHOICE.name if device.type == "cpu" and self.dtype == torch.float32 else None,
+            # which product served the CPU matmuls (decode_matmul.py); None elsewhere
+            "decode_matmul": PROCESS_CHOICE.name(self.dtype) if device.type == "cpu" else None,
             "versions": {
                 "specdec": specdec_cli.__version__,
                 "torch": torch.__version__,

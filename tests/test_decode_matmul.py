@@ -1,5 +1,6 @@
-"""The decoding-shaped matmul gives F.linear's results at every shape it takes over, leaves the rest,
-and serves a model's linear layers only where it measured faster."""
+"""Each CPU matrix product gives F.linear's results at every shape it takes over, leaves the rest
+(GPUs, gradients, autocast, wide inputs for the turned-round product), and serves a model's linear
+layers only where it measured fastest."""
 
 from __future__ import annotations
 
@@ -7,33 +8,72 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec_cli.loading.decode_matmul import MAX_ROWS, MatmulChoice, detour, time_products
+from specdec_cli.loading.decode_matmul import (
+    F_LINEAR,
+    MAX_ROWS,
+    PACKED,
+    TURNED,
+    MatmulChoice,
+    detour,
+    pack,
+    packed_linear,
+    time_products,
+)
+
+SHAPES = [(1, 1), (1, 2), (1, 5), (2, 3), (1, MAX_ROWS), (1, MAX_ROWS + 1), (1, 40), (7,)]
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (1, 2), (1, 5), (2, 3), (1, MAX_ROWS), (1, MAX_ROWS + 1), (7,)])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_f_linear(shape, with_bias):
+def operands(shape, with_bias, dtype=torch.float32):
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(*shape, 24, generator=generator)
-    weight = torch.randn(40, 24, generator=generator)
-    bias = torch.randn(40, generator=generator) if with_bias else None
+    x = torch.randn(*shape, 24, generator=generator).to(dtype)
+    weight = torch.randn(40, 24, generator=generator).to(dtype)
+    bias = torch.randn(40, generator=generator).to(dtype) if with_bias else None
+    return x, weight, bias
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_turned_round_product_matches_f_linear(shape, with_bias):
+    x, weight, bias = operands(shape, with_bias)
     out = detour(x, weight, bias)
     assert out.shape == (*shape, 40) and out.is_contiguous()
     torch.testing.assert_close(out, F.linear(x, weight, bias))
 
 
-def detour_chosen() -> MatmulChoice:
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_prepacked_product_matches_f_linear(shape, with_bias, dtype):
+    x, weight, bias = operands(shape, with_bias, dtype)
+    packed = pack(weight)
+    if packed is None:
+        pytest.skip("no oneDNN linear for this dtype on this CPU")
+    out = packed_linear(x, packed, bias)
+    assert out.shape == (*shape, 40) and out.dtype == dtype
+    torch.testing.assert_close(out, F.linear(x, weight, bias))
+
+
+def chosen(product: str, dtype=torch.float32) -> MatmulChoice:
     choice = MatmulChoice()
-    choice.detour_is_faster = True
+    choice.chosen[dtype] = product
     return choice
 
 
-def test_half_precision_and_prefill_are_left_to_f_linear():
-    choice = detour_chosen()
-    x, weight = torch.randn(1, 3, 8, dtype=torch.bfloat16), torch.randn(5, 8, dtype=torch.bfloat16)
-    assert torch.equal(choice.linear(x, weight), F.linear(x, weight))
-    prefill, weight = torch.randn(1, MAX_ROWS + 1, 8), torch.randn(5, 8)
-    assert torch.equal(choice.linear(prefill, weight), F.linear(prefill, weight))
+def test_what_no_product_was_chosen_for_is_left_to_f_linear():
+    x, weight, _ = operands((1, 3), False, torch.bfloat16)
+    assert torch.equal(chosen(TURNED).linear(x, weight), F.linear(x, weight))  # chosen for float32 only
+    wide, weight, _ = operands((1, MAX_ROWS + 1), False)
+    assert torch.equal(chosen(TURNED).linear(wide, weight), F.linear(wide, weight))
+
+
+@pytest.mark.parametrize("product", [TURNED, PACKED])
+def test_gradients_go_through_f_linear(product):
+    x, weight, _ = operands((1, 2), False)
+    x.requires_grad_(True)
+    packed = pack(weight)
+    out = chosen(product).linear(x, weight, None, packed)
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, weight.sum(0).expand(1, 2, 24))
 
 
 def fresh_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -46,30 +86,36 @@ def rerouted(model: torch.nn.Module) -> list[bool]:
     return ["forward" in vars(m) for m in model.modules() if isinstance(m, torch.nn.Linear)]
 
 
-def test_a_model_decodes_the_same_through_it(tiny_target):
+@pytest.mark.parametrize("product", [TURNED, PACKED])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_model_decodes_the_same_through_each_product(tiny_target, product, dtype):
+    if pack(torch.zeros(2, 2, dtype=dtype)) is None:
+        pytest.skip("no oneDNN linear for this dtype on this CPU")
     ids = torch.tensor([[3, 1, 4, 1, 5]])
     with torch.no_grad():
-        before = tiny_target(input_ids=ids).logits
-        model = fresh_copy(tiny_target)
-        detour_chosen().route(model)
-        assert rerouted(model) and all(rerouted(model))
-        # another summation order: equal up to float32 rounding
-        torch.testing.assert_close(model(input_ids=ids).logits, before, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(model(input_ids=ids[:, :1]).logits, before[:, :1], atol=1e-4, rtol=1e-4)
+        model = fresh_copy(tiny_target).to(dtype)
+        before = model(input_ids=ids).logits
+        chosen(product, dtype).route(model)
+        assert all(rerouted(model)) and not any(p.requires_grad for p in model.parameters())
+        # another summation order: equal up to rounding
+        tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(model(input_ids=ids).logits, before, atol=tolerance, rtol=tolerance)
+        torch.testing.assert_close(model(input_ids=ids[:, :1]).logits, before[:, :1], atol=tolerance, rtol=tolerance)
 
 
-def test_the_first_model_loaded_decides_by_measurement(tiny_target):
+def test_the_first_model_of_each_dtype_decides_by_measurement(tiny_target):
     weights = [m.weight for m in tiny_target.modules() if isinstance(m, torch.nn.Linear)]
     seconds = time_products(weights, repeats=1)
-    assert set(seconds) == {"f_linear", "detour"} and all(s > 0 for s in seconds.values())
+    assert {F_LINEAR, TURNED} <= set(seconds) <= {F_LINEAR, TURNED, PACKED} and all(s > 0 for s in seconds.values())
     choice = MatmulChoice()
-    assert choice.name is None
+    assert choice.name(torch.float32) is None
     model = fresh_copy(tiny_target)
     choice.route(model)
-    assert isinstance(choice.detour_is_faster, bool) and choice.name in ("W @ x.T", "x @ W.T")
-    assert all(rerouted(model)) == choice.detour_is_faster and any(rerouted(model)) == all(rerouted(model))
-    # where the detour measured slower, F.linear stays, for the next model loaded too (no second measurement)
-    choice.detour_is_faster = False
+    product = choice.name(torch.float32)
+    assert product in seconds and choice.name(torch.bfloat16) is None
+    assert all(rerouted(model)) == (product != F_LINEAR) and any(rerouted(model)) == all(rerouted(model))
+    # where F.linear measured fastest it stays, for the next model loaded too (no second measurement)
+    choice.chosen[torch.float32] = F_LINEAR
     other = fresh_copy(tiny_target)
     choice.route(other)
-    assert not any(rerouted(other)) and choice.detour_is_faster is False
+    assert not any(rerouted(other)) and choice.name(torch.float32) == F_LINEAR

@@ -1,29 +1,37 @@
-"""Decoding-shaped matrix products on CPU in float32, taken whichever way is faster on this machine.
+"""Matrix products of loaded models on CPU, taken whichever way is fastest on this machine.
 
 A decoding forward multiplies every weight matrix W [out, in] by one to a few token rows x [n, in].
-Which kernel is fastest at that shape depends on the CPU: on some, torch's F.linear (x @ W.T) is slow
-at it and W @ x.T (a lone row doubled) is far faster; on others that detour is the slower one
-(docs/experiments/2026-12-02-decode-matmul.md). No fixed choice suits every machine, so the first CPU
-float32 model a process loads times both products over its own weight matrices, and the faster one
-serves every product of up to `MAX_ROWS` rows in that process
-(`PROCESS_CHOICE`: the target and its draft alike);
-elsewhere (GPUs, half precision, prefill, training batches) F.linear stays. The results differ in the
-last bits only (another summation order), and the target-only baseline goes through the same path as
-speculative decoding, so benchmark ratios compare like with like.
+Which kernel is fastest at that shape depends on the CPU and the dtype. Three ways:
+- `x @ W.T`: torch's F.linear;
+- `W @ x.T`: the same product turned round, a lone row doubled; faster on some CPUs in float32 at
+  a few rows, slower on others (docs/experiments/2026-12-02-decode-matmul.md);
+- `oneDNN, prepacked`: oneDNN's linear on a copy of W laid out once, at load, for the CPU's matrix
+  instructions (what inductor's weight freezing and vLLM's CPU build use); F.linear lays W out
+  again at every call in bfloat16.
+The first CPU model of each dtype (float32, bfloat16) that a process loads times them over its own
+weight matrices, and the fastest serves every later product of that dtype in the process
+(`PROCESS_CHOICE`: the target and its draft alike). The prepacked way serves products of any number
+of rows, the turned-round one up to `MAX_ROWS`; F.linear takes the rest, and everything on GPUs,
+with gradients or under autocast. Results differ from F.linear's in the last bits at most (another
+summation order), and the target-only baseline goes through the same path as speculative decoding,
+so benchmark ratios compare like with like. A prepacked model keeps both copies of its weights.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
-from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-MAX_ROWS = 8  # beyond this F.linear was as fast or faster
+MAX_ROWS = 8  # beyond this the turned-round product was as fast as F.linear or slower
 TIMED_BYTES = 256 * 2**20  # weights timed: enough to stream from memory, as in a forward
 TIMED_ROWS = (1, 4)  # a target-only decoding step and a verification block of 3 draft tokens
+CHOSEN_DTYPES = (torch.float32, torch.bfloat16)
+
+F_LINEAR, TURNED, PACKED = "x @ W.T", "W @ x.T", "oneDNN, prepacked"
 
 
 def detour(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -37,10 +45,28 @@ def detour(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out if bias is None else out + bias
 
 
+def pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` laid out for oneDNN's linear, or None where this torch or CPU has no such kernel."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return None
+    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def time_products(weights: list[torch.Tensor], repeats: int = 3) -> dict[str, float]:
-    """Seconds to multiply `weights` by 1 and by 4 token rows, F.linear's way and the detour's (best of
-    `repeats`, after one warm-up pass)."""
-    inputs = {w.shape[1]: torch.randn(max(TIMED_ROWS), w.shape[1]) for w in weights}
+    """Seconds to multiply `weights` by 1 and by 4 token rows each way this CPU has (best of `repeats`,
+    after one warm-up pass)."""
+    inputs = {w.shape[1]: torch.randn(max(TIMED_ROWS), w.shape[1], dtype=w.dtype) for w in weights}
+    products = {F_LINEAR: F.linear, TURNED: detour}
+    packed = [pack(w) for w in weights]
+    if all(p is not None for p in packed):
+        by_weight = dict(zip(map(id, weights), packed))
+        products[PACKED] = lambda x, w: packed_linear(x, by_weight[id(w)])
 
     def seconds(product, rows: int) -> float:
         best = math.inf
@@ -52,37 +78,60 @@ def time_products(weights: list[torch.Tensor], repeats: int = 3) -> dict[str, fl
         return best
 
     with torch.no_grad():
-        seconds(F.linear, 1)
-        return {
-            name: sum(seconds(product, rows) for rows in TIMED_ROWS)
-            for name, product in (("f_linear", F.linear), ("detour", detour))
-        }
+        for product in products.values():
+            seconds(product, 1)
+        return {name: sum(seconds(product, rows) for rows in TIMED_ROWS) for name, product in products.items()}
+
+
+class Linear:
+    """A linear layer's forward through the process's choice: `module.forward = Linear(choice, module)`.
+    Holds the prepacked copy of a frozen weight where that way was chosen."""
+
+    def __init__(self, choice: MatmulChoice, module: torch.nn.Module):
+        self.choice, self.module = choice, module
+        chosen = choice.chosen.get(module.weight.dtype)
+        self.packed = pack(module.weight) if chosen == PACKED and not module.weight.requires_grad else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.choice.linear(x, self.module.weight, self.module.bias, self.packed)
 
 
 class MatmulChoice:
-    """Which product serves a process's CPU float32 decoding matmuls: unknown until the first such
-    model is loaded, then measured once over its weights and kept for every later one."""
+    """Which product serves a process's CPU matmuls, per dtype: unknown until the first such model is
+    loaded, then measured once over its weights and kept for every later one."""
 
     def __init__(self) -> None:
-        self.detour_is_faster: bool | None = None
+        self.chosen: dict[torch.dtype, str] = {}
 
-    @property
-    def name(self) -> str | None:
-        """The product chosen, as a record names it (None: nothing measured yet)."""
-        return None if self.detour_is_faster is None else ("W @ x.T" if self.detour_is_faster else "x @ W.T")
+    def name(self, dtype: torch.dtype) -> str | None:
+        """The product chosen for `dtype`, as a record names it (None: nothing measured)."""
+        return self.chosen.get(dtype)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        decoding = x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and rows <= MAX_ROWS
-        return detour(x, weight, bias) if decoding and self.detour_is_faster else F.linear(x, weight, bias)
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        packed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        chosen = self.chosen.get(weight.dtype) if x.device.type == "cpu" and x.dtype == weight.dtype else None
+        if chosen is None or torch.is_autocast_enabled("cpu") or (torch.is_grad_enabled() and x.requires_grad):
+            return F.linear(x, weight, bias)
+        if chosen == PACKED and packed is not None and packed.dtype == x.dtype:
+            return packed_linear(x, packed, bias)
+        if chosen == TURNED and x.numel() // x.shape[-1] <= MAX_ROWS:
+            return detour(x, weight, bias)
+        return F.linear(x, weight, bias)
 
     def route(self, model: torch.nn.Module) -> None:
-        """Route a CPU float32 model's linear layers through the detour where it is the faster product."""
-        parameter = next(model.parameters())
-        if parameter.device.type != "cpu" or parameter.dtype != torch.float32:
+        """Freeze a CPU float32 or bfloat16 model and route its linear layers through the chosen product
+        (measured over this model's weights if it is the first of its dtype)."""
+        parameter = next(model.parameters(), None)
+        if parameter is None or parameter.device.type != "cpu" or parameter.dtype not in CHOSEN_DTYPES:
             return
-        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-        if self.detour_is_faster is None and linears:
+        model.requires_grad_(False)  # loaded models are only run: their weights may be packed
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) or getattr(m, "routed_as_linear", 0)]
+        if parameter.dtype not in self.chosen and linears:
             weights, size = [], 0
             for module in linears:
                 if size >= TIMED_BYTES:
@@ -90,13 +139,22 @@ class MatmulChoice:
                 weights.append(module.weight)
                 size += module.weight.nbytes
             seconds = time_products(weights)
-            self.detour_is_faster = seconds["detour"] < seconds["f_linear"]
-        if self.detour_is_faster:
+            if PACKED in seconds and not room_for_copies(linears):
+                del seconds[PACKED]
+            self.chosen[parameter.dtype] = min(seconds, key=seconds.get)
+        if self.chosen.get(parameter.dtype, F_LINEAR) != F_LINEAR:
             for module in linears:
-                module.forward = partial(self._linear_forward, module)
+                module.forward = Linear(self, module)
 
-    def _linear_forward(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, module.weight, module.bias)
+
+def room_for_copies(linears: list[torch.nn.Module]) -> bool:
+    """Whether prepacked copies of these layers' weights fit in half the memory now free."""
+    needed = sum(m.weight.nbytes for m in linears)
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system: do not risk it
+        return False
+    return needed < free / 2
 
 
 PROCESS_CHOICE = MatmulChoice()  # the target and its draft share it

@@ -6,9 +6,8 @@ formats that build such drafts, so that methods/feature/drafter.py, which runs t
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers import PreTrainedModel
-
-from specdec_cli.loading.decode_matmul import PROCESS_CHOICE
 
 FEATURES = "feature_projection"  # the draft's module that reads [embedding, hidden state]
 TAPS = "tap_fusion"  # the draft's module that fuses the target layers it reads into one state
@@ -31,7 +30,10 @@ class SubsetHead(torch.nn.Module):
     """The target's LM head restricted to `token_ids`: logits over those ids alone [..., len(token_ids)],
     in their order (the drafter maps its draws back to the target's ids, and builds q over the whole
     vocabulary only for verification). `weight` gives the rows for `token_ids` when the draft has its
-    own (EAGLE-3 drafts train theirs)."""
+    own (EAGLE-3 drafts train theirs). Loading routes it as a linear layer (loading/decode_matmul.py)."""
+
+    routed_as_linear = True
+    bias = None
 
     def __init__(self, target_head: torch.Tensor, token_ids: torch.Tensor, weight: torch.Tensor | None = None):
         super().__init__()
@@ -47,7 +49,7 @@ class SubsetHead(torch.nn.Module):
         self.register_buffer("weight", rows, persistent=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return PROCESS_CHOICE.linear(hidden, self.weight)
+        return F.linear(hidden, self.weight)
 
 
 def head_vocabulary(draft: torch.nn.Module) -> torch.Tensor | None:
