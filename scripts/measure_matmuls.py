@@ -6,6 +6,7 @@ instead times the target's layers' products alone, each way, with q/k/v and gate
 products and as one product over the concatenated weights (as vLLM fuses them).
 
     python scripts/measure_matmuls.py -c smollm2-draft --dtype bfloat16 --prompts 4 --tokens 64
+    python scripts/measure_matmuls.py -c smollm2-ngram --dtype float32 --prompts 4 --batch 4
     python scripts/measure_matmuls.py -c smollm2-draft --dtype bfloat16 --fusion
 """
 
@@ -23,7 +24,16 @@ import transformers
 from specdec_cli.bench.prompts import builtin_suite, select
 from specdec_cli.config import apply_overrides, load_config
 from specdec_cli.decoding.params import SamplingParams
-from specdec_cli.loading.decode_matmul import F_LINEAR, PACKED, PROCESS_CHOICE, TURNED, detour, pack, packed_linear
+from specdec_cli.loading.decode_matmul import (
+    F_LINEAR,
+    PACKED,
+    PROCESS_CHOICE,
+    TURNED,
+    Chosen,
+    detour,
+    pack,
+    packed_linear,
+)
 from specdec_cli.pair import cpu_name, load_pair
 
 
@@ -34,6 +44,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=1, help="decode the prompts in batches of this size")
     parser.add_argument("--fusion", action="store_true")
     args = parser.parse_args()
     config = apply_overrides(load_config(args.config), {"runtime.dtype": args.dtype, "runtime.device": "cpu"})
@@ -50,29 +61,30 @@ def main() -> None:
     if args.fusion:
         print(json.dumps({**environment, "rows": fusion_rows(load_pair(config).target.model, dtype)}, indent=1))
         return
-    PROCESS_CHOICE.chosen[dtype] = PACKED  # every model gets its prepacked copies; the rounds switch between ways
+    PROCESS_CHOICE.chosen[dtype] = Chosen(PACKED, PACKED)  # every model gets its prepacked copies
     pair = load_pair(config)
     prompts = [pair.encode(p.turns[0]) for p in select(builtin_suite(), None, 1)[: args.prompts]]
     decoders = {
         "target only": pair.decoder(SamplingParams(), speculative=False),
         "speculative": pair.decoder(SamplingParams()),
     }
-    products = (F_LINEAR, TURNED, PACKED)
+    products = [Chosen(F_LINEAR, F_LINEAR), Chosen(TURNED, F_LINEAR), Chosen(TURNED, PACKED), Chosen(PACKED, PACKED)]
+    batches = [prompts[i : i + args.batch] for i in range(0, len(prompts), args.batch)]
     speeds = {(product, name): [] for product in products for name in decoders}
     tokens = {}
     for round_index in range(args.rounds + 1):  # round 0 warms up
         for product in products:
             PROCESS_CHOICE.chosen[dtype] = product
             for name, decoder in decoders.items():
-                results = [decoder.generate(ids, args.tokens, seed=0, ignore_eos=True) for ids in prompts]
-                tokens[product, name] = [r.token_ids for r in results]
+                runs = [decoder.generate_batch(batch, args.tokens, seed=0, ignore_eos=True) for batch in batches]
+                tokens[product, name] = [r.token_ids for results in runs for r in results]
                 if round_index:
-                    speed = sum(len(r.token_ids) for r in results) / sum(r.decode_seconds for r in results)
-                    speeds[product, name].append(speed)
-    reference = tokens[F_LINEAR, "target only"]
+                    new_tokens = sum(len(r.token_ids) for results in runs for r in results)
+                    speeds[product, name].append(new_tokens / sum(max(r.decode_seconds for r in rs) for rs in runs))
+    reference = tokens[products[0], "target only"]
     rows = [
         {
-            "product": product,
+            "product": str(product),
             "mode": name,
             "tok_s": [round(s, 2) for s in speeds[product, name]],
             "median_tok_s": round(statistics.median(speeds[product, name]), 2),
@@ -81,7 +93,8 @@ def main() -> None:
         for product in products
         for name in decoders
     ]
-    print(json.dumps({**environment, "prompts": len(prompts), "tokens": args.tokens, "rows": rows}, indent=1))
+    settings = {"prompts": len(prompts), "tokens": args.tokens, "batch": args.batch}
+    print(json.dumps({**environment, **settings, "rows": rows}, indent=1))
 
 
 def fusion_rows(model: torch.nn.Module, dtype: torch.dtype, repeats: int = 30) -> list[dict]:

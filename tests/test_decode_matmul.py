@@ -13,6 +13,8 @@ from specdec_cli.loading.decode_matmul import (
     MAX_ROWS,
     PACKED,
     TURNED,
+    WIDE_ROWS,
+    Chosen,
     MatmulChoice,
     detour,
     pack,
@@ -53,9 +55,9 @@ def test_the_prepacked_product_matches_f_linear(shape, with_bias, dtype):
     torch.testing.assert_close(out, F.linear(x, weight, bias))
 
 
-def chosen(product: str, dtype=torch.float32) -> MatmulChoice:
+def chosen(narrow: str, dtype=torch.float32, wide: str | None = None) -> MatmulChoice:
     choice = MatmulChoice()
-    choice.chosen[dtype] = product
+    choice.chosen[dtype] = Chosen(narrow, wide or (F_LINEAR if narrow == TURNED else narrow))
     return choice
 
 
@@ -64,6 +66,12 @@ def test_what_no_product_was_chosen_for_is_left_to_f_linear():
     assert torch.equal(chosen(TURNED).linear(x, weight), F.linear(x, weight))  # chosen for float32 only
     wide, weight, _ = operands((1, MAX_ROWS + 1), False)
     assert torch.equal(chosen(TURNED).linear(wide, weight), F.linear(wide, weight))
+    assert torch.equal(chosen(TURNED, wide=PACKED).linear(wide, weight), F.linear(wide, weight))  # no packed copy
+    assert chosen(TURNED, wide=PACKED).name(torch.float32) == f"{TURNED} up to {MAX_ROWS} rows, {PACKED} above"
+
+
+def test_a_wide_product_is_never_turned_round():
+    assert TURNED not in time_products([torch.randn(40, 24)], WIDE_ROWS, repeats=1)
 
 
 @pytest.mark.parametrize("product", [TURNED, PACKED])
@@ -88,19 +96,23 @@ def rerouted(model: torch.nn.Module) -> list[bool]:
 
 @pytest.mark.parametrize("product", [TURNED, PACKED])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_model_decodes_the_same_through_each_product(tiny_target, product, dtype):
+@pytest.mark.parametrize("wide", [F_LINEAR, PACKED])
+def test_a_model_decodes_the_same_through_each_product(tiny_target, product, dtype, wide):
     if pack(torch.zeros(2, 2, dtype=dtype)) is None:
         pytest.skip("no oneDNN linear for this dtype on this CPU")
     ids = torch.tensor([[3, 1, 4, 1, 5]])
     with torch.no_grad():
         model = fresh_copy(tiny_target).to(dtype)
         before = model(input_ids=ids).logits
-        chosen(product, dtype).route(model)
+        chosen(product, dtype, wide).route(model)
         assert all(rerouted(model)) and not any(p.requires_grad for p in model.parameters())
         # another summation order: equal up to rounding
         tolerance = 1e-4 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(model(input_ids=ids).logits, before, atol=tolerance, rtol=tolerance)
         torch.testing.assert_close(model(input_ids=ids[:, :1]).logits, before[:, :1], atol=tolerance, rtol=tolerance)
+        wide_ids = torch.arange(3, 3 + MAX_ROWS + 2)[None]
+        reference = fresh_copy(tiny_target).to(dtype)(input_ids=wide_ids).logits
+        torch.testing.assert_close(model(input_ids=wide_ids).logits, reference, atol=tolerance, rtol=tolerance)
 
 
 def test_the_first_model_of_each_dtype_decides_by_measurement(tiny_target):
@@ -111,11 +123,12 @@ def test_the_first_model_of_each_dtype_decides_by_measurement(tiny_target):
     assert choice.name(torch.float32) is None
     model = fresh_copy(tiny_target)
     choice.route(model)
-    product = choice.name(torch.float32)
-    assert product in seconds and choice.name(torch.bfloat16) is None
-    assert all(rerouted(model)) == (product != F_LINEAR) and any(rerouted(model)) == all(rerouted(model))
+    narrow, wide = choice.chosen[torch.float32]
+    assert narrow in seconds and wide in (F_LINEAR, PACKED) and choice.name(torch.bfloat16) is None
+    routed = (narrow, wide) != (F_LINEAR, F_LINEAR)
+    assert all(rerouted(model)) == routed and any(rerouted(model)) == all(rerouted(model))
     # where F.linear measured fastest it stays, for the next model loaded too (no second measurement)
-    choice.chosen[torch.float32] = F_LINEAR
+    choice.chosen[torch.float32] = Chosen(F_LINEAR, F_LINEAR)
     other = fresh_copy(tiny_target)
     choice.route(other)
     assert not any(rerouted(other)) and choice.name(torch.float32) == F_LINEAR

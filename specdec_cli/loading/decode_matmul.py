@@ -6,15 +6,16 @@ Which kernel is fastest at that shape depends on the CPU and the dtype. Three wa
 - `W @ x.T`: the same product turned round, a lone row doubled; faster on some CPUs in float32 at
   a few rows, slower on others (docs/experiments/2026-12-02-decode-matmul.md);
 - `oneDNN, prepacked`: oneDNN's linear on a copy of W laid out once, at load, for the CPU's matrix
-  instructions (what inductor's weight freezing and vLLM's CPU build use); F.linear lays W out
-  again at every call in bfloat16.
+  instructions (what inductor's weight freezing and vLLM's CPU build use): the layout is paid once,
+  not at every call.
 The first CPU model of each dtype (float32, bfloat16) that a process loads times them over its own
-weight matrices, and the fastest serves every later product of that dtype in the process
-(`PROCESS_CHOICE`: the target and its draft alike). The prepacked way serves products of any number
-of rows, the turned-round one up to `MAX_ROWS`; F.linear takes the rest, and everything on GPUs,
-with gradients or under autocast. Results differ from F.linear's in the last bits at most (another
-summation order), and the target-only baseline goes through the same path as speculative decoding,
-so benchmark ratios compare like with like. A prepacked model keeps both copies of its weights.
+weight matrices, at a few rows (up to `MAX_ROWS`: a decoding step, a verification) and at many (a
+batch's verification; the turned-round way is not a candidate there), and the fastest of each serves
+every later product of that dtype in the process (`PROCESS_CHOICE`: the target and its draft alike).
+F.linear takes everything on GPUs, with gradients or under autocast. Results differ from F.linear's
+in the last bits at most (another summation order), and the target-only baseline goes through the
+same path as speculative decoding, so benchmark ratios compare like with like. A prepacked model
+keeps both copies of its weights.
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ from __future__ import annotations
 import math
 import os
 import time
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 MAX_ROWS = 8  # beyond this the turned-round product was as fast as F.linear or slower
 TIMED_BYTES = 256 * 2**20  # weights timed: enough to stream from memory, as in a forward
-TIMED_ROWS = (1, 4)  # a target-only decoding step and a verification block of 3 draft tokens
+NARROW_ROWS = (1, 4)  # a target-only decoding step and a verification block of 3 draft tokens
+WIDE_ROWS = (16,)  # a batch of 4 rows verifying 3 draft tokens each
 CHOSEN_DTYPES = (torch.float32, torch.bfloat16)
 
 F_LINEAR, TURNED, PACKED = "x @ W.T", "W @ x.T", "oneDNN, prepacked"
@@ -58,11 +61,13 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def time_products(weights: list[torch.Tensor], repeats: int = 3) -> dict[str, float]:
-    """Seconds to multiply `weights` by 1 and by 4 token rows each way this CPU has (best of `repeats`,
-    after one warm-up pass)."""
-    inputs = {w.shape[1]: torch.randn(max(TIMED_ROWS), w.shape[1], dtype=w.dtype) for w in weights}
-    products = {F_LINEAR: F.linear, TURNED: detour}
+def time_products(
+    weights: list[torch.Tensor], timed_rows: tuple[int, ...] = NARROW_ROWS, repeats: int = 3
+) -> dict[str, float]:
+    """Seconds to multiply `weights` by each of `timed_rows` token rows, each way this CPU has (best of
+    `repeats`, after one warm-up pass; the turned-round way only up to `MAX_ROWS` rows)."""
+    inputs = {w.shape[1]: torch.randn(max(timed_rows), w.shape[1], dtype=w.dtype) for w in weights}
+    products = {F_LINEAR: F.linear, TURNED: detour} if max(timed_rows) <= MAX_ROWS else {F_LINEAR: F.linear}
     packed = [pack(w) for w in weights]
     if all(p is not None for p in packed):
         by_weight = dict(zip(map(id, weights), packed))
@@ -80,7 +85,17 @@ def time_products(weights: list[torch.Tensor], repeats: int = 3) -> dict[str, fl
     with torch.no_grad():
         for product in products.values():
             seconds(product, 1)
-        return {name: sum(seconds(product, rows) for rows in TIMED_ROWS) for name, product in products.items()}
+        return {name: sum(seconds(product, rows) for rows in timed_rows) for name, product in products.items()}
+
+
+class Chosen(NamedTuple):
+    """The products that serve a dtype: up to `MAX_ROWS` rows, and beyond."""
+
+    narrow: str
+    wide: str
+
+    def __str__(self) -> str:
+        return self.narrow if self.narrow == self.wide else f"{self.narrow} up to {MAX_ROWS} rows, {self.wide} above"
 
 
 class Linear:
@@ -89,8 +104,8 @@ class Linear:
 
     def __init__(self, choice: MatmulChoice, module: torch.nn.Module):
         self.choice, self.module = choice, module
-        chosen = choice.chosen.get(module.weight.dtype)
-        self.packed = pack(module.weight) if chosen == PACKED and not module.weight.requires_grad else None
+        chosen = choice.chosen.get(module.weight.dtype, ())
+        self.packed = pack(module.weight) if PACKED in chosen and not module.weight.requires_grad else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.choice.linear(x, self.module.weight, self.module.bias, self.packed)
@@ -101,11 +116,11 @@ class MatmulChoice:
     loaded, then measured once over its weights and kept for every later one."""
 
     def __init__(self) -> None:
-        self.chosen: dict[torch.dtype, str] = {}
+        self.chosen: dict[torch.dtype, Chosen] = {}
 
     def name(self, dtype: torch.dtype) -> str | None:
-        """The product chosen for `dtype`, as a record names it (None: nothing measured)."""
-        return self.chosen.get(dtype)
+        """The products chosen for `dtype`, as a record names them (None: nothing measured)."""
+        return str(self.chosen[dtype]) if dtype in self.chosen else None
 
     def linear(
         self,
@@ -117,9 +132,10 @@ class MatmulChoice:
         chosen = self.chosen.get(weight.dtype) if x.device.type == "cpu" and x.dtype == weight.dtype else None
         if chosen is None or torch.is_autocast_enabled("cpu") or (torch.is_grad_enabled() and x.requires_grad):
             return F.linear(x, weight, bias)
-        if chosen == PACKED and packed is not None and packed.dtype == x.dtype:
+        product = chosen.narrow if x.numel() // x.shape[-1] <= MAX_ROWS else chosen.wide
+        if product == PACKED and packed is not None and packed.dtype == x.dtype:
             return packed_linear(x, packed, bias)
-        if chosen == TURNED and x.numel() // x.shape[-1] <= MAX_ROWS:
+        if product == TURNED:
             return detour(x, weight, bias)
         return F.linear(x, weight, bias)
 
@@ -138,11 +154,14 @@ class MatmulChoice:
                     break
                 weights.append(module.weight)
                 size += module.weight.nbytes
-            seconds = time_products(weights)
-            if PACKED in seconds and not room_for_copies(linears):
-                del seconds[PACKED]
-            self.chosen[parameter.dtype] = min(seconds, key=seconds.get)
-        if self.chosen.get(parameter.dtype, F_LINEAR) != F_LINEAR:
+            fastest = []
+            for timed_rows in (NARROW_ROWS, WIDE_ROWS):
+                seconds = time_products(weights, timed_rows)
+                if PACKED in seconds and not room_for_copies(linears):
+                    del seconds[PACKED]
+                fastest.append(min(seconds, key=seconds.get))
+            self.chosen[parameter.dtype] = Chosen(*fastest)
+        if self.chosen.get(parameter.dtype, (F_LINEAR, F_LINEAR)) != (F_LINEAR, F_LINEAR):
             for module in linears:
                 module.forward = Linear(self, module)
 
