@@ -17,6 +17,7 @@ from specdec_cli.cli import app
 from specdec_cli.config import TinyModel
 from specdec_cli.errors import EXIT_BAD_INPUT, SpecdecError
 from specdec_cli.loading.checkpoints import build_tiny, byte_tokenizer
+from specdec_cli.loading.decode_matmul import PROCESS_CHOICE
 from specdec_cli.pair import resolve_device
 
 runner = CliRunner()
@@ -39,7 +40,8 @@ def test_json_record_on_stdout_and_in_runs(write_config, tmp_path):
     assert record["stats"]["target_forwards"] == len(record["steps"])
     assert record["environment"]["dtype"] == "float32"
     assert record["environment"]["versions"]["torch"]
-    assert record["environment"]["decode_matmul"] in ("W @ x.T", "x @ W.T", "oneDNN, prepacked")
+    matmul = record["environment"]["decode_matmul"]
+    assert matmul is not None and matmul == PROCESS_CHOICE.name(torch.float32)  # the process's choice, named
     assert record["config"]["sampling"]["temperature"] == 0.0
     saved = list((tmp_path / "runs").glob("*-generate-tiny-test/record.json"))
     assert len(saved) == 1
