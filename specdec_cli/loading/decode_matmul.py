@@ -62,14 +62,17 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 def time_products(
-    weights: list[torch.Tensor], timed_rows: tuple[int, ...] = NARROW_ROWS, repeats: int = 3
+    weights: list[torch.Tensor],
+    timed_rows: tuple[int, ...] = NARROW_ROWS,
+    packed: list[torch.Tensor | None] | None = None,
+    repeats: int = 3,
 ) -> dict[str, float]:
     """Seconds to multiply `weights` by each of `timed_rows` token rows, each way this CPU has (best of
-    `repeats`, after one warm-up pass; the turned-round way only up to `MAX_ROWS` rows)."""
+    `repeats`, after one warm-up pass; the turned-round way only up to `MAX_ROWS` rows, the prepacked
+    one where `packed` holds each weight's copy)."""
     inputs = {w.shape[1]: torch.randn(max(timed_rows), w.shape[1], dtype=w.dtype) for w in weights}
     products = {F_LINEAR: F.linear, TURNED: detour} if max(timed_rows) <= MAX_ROWS else {F_LINEAR: F.linear}
-    packed = [pack(w) for w in weights]
-    if all(p is not None for p in packed):
+    if packed is not None and all(p is not None for p in packed):
         by_weight = dict(zip(map(id, weights), packed))
         products[PACKED] = lambda x, w: packed_linear(x, by_weight[id(w)])
 
@@ -146,7 +149,9 @@ class MatmulChoice:
         if parameter is None or parameter.device.type != "cpu" or parameter.dtype not in CHOSEN_DTYPES:
             return
         model.requires_grad_(False)  # loaded models are only run: their weights may be packed
-        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) or getattr(m, "routed_as_linear", 0)]
+        linears = [
+            m for m in model.modules() if isinstance(m, torch.nn.Linear) or getattr(m, "routed_as_linear", False)
+        ]
         if parameter.dtype not in self.chosen and linears:
             weights, size = [], 0
             for module in linears:
@@ -154,11 +159,10 @@ class MatmulChoice:
                     break
                 weights.append(module.weight)
                 size += module.weight.nbytes
+            packed = [pack(w) for w in weights] if room_for_copies(linears) else None
             fastest = []
             for timed_rows in (NARROW_ROWS, WIDE_ROWS):
-                seconds = time_products(weights, timed_rows)
-                if PACKED in seconds and not room_for_copies(linears):
-                    del seconds[PACKED]
+                seconds = time_products(weights, timed_rows, packed)
                 fastest.append(min(seconds, key=seconds.get))
             self.chosen[parameter.dtype] = Chosen(*fastest)
         if self.chosen.get(parameter.dtype, (F_LINEAR, F_LINEAR)) != (F_LINEAR, F_LINEAR):
