@@ -2,8 +2,8 @@
 """Which CPU matrix product decodes fastest end to end? Target-only and speculative decoding of the
 same prompts with each product of loading/decode_matmul.py serving the models' linear layers, in
 rounds within one process (so drift shows), with the tokens of each product compared. `--fusion`
-instead times the target's layers' products alone, each way, with q/k/v and gate/up as separate
-products and as one product over the concatenated weights (as vLLM fuses them).
+instead compares sibling projections (q/k/v, gate/up) taken as one product, as loading takes them,
+with separate products, the process's chosen product serving both.
 
     python scripts/measure_matmuls.py -c smollm2-draft --dtype bfloat16 --prompts 4 --tokens 64
     python scripts/measure_matmuls.py -c smollm2-ngram --dtype float32 --prompts 4 --batch 4
@@ -16,7 +16,6 @@ import argparse
 import json
 import platform
 import statistics
-import time
 
 import torch
 import transformers
@@ -24,16 +23,8 @@ import transformers
 from specdec_cli.bench.prompts import builtin_suite, select
 from specdec_cli.config import apply_overrides, load_config
 from specdec_cli.decoding.params import SamplingParams
-from specdec_cli.loading.decode_matmul import (
-    F_LINEAR,
-    PACKED,
-    PROCESS_CHOICE,
-    TURNED,
-    Chosen,
-    detour,
-    pack,
-    packed_linear,
-)
+from specdec_cli.loading import decode_matmul
+from specdec_cli.loading.decode_matmul import F_LINEAR, PACKED, PROCESS_CHOICE, TURNED, Chosen
 from specdec_cli.pair import cpu_name, load_pair
 
 
@@ -58,12 +49,16 @@ def main() -> None:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
+    texts = [p.turns[0] for p in select(builtin_suite(), None, 1)[: args.prompts]]  # one per category
+    settings = {"prompts": len(texts), "tokens": args.tokens, "batch": args.batch}
     if args.fusion:
-        print(json.dumps({**environment, "rows": fusion_rows(load_pair(config).target.model, dtype)}, indent=1))
+        rows = fusion_rows(config, texts, args)
+        environment["decode_matmul"] = PROCESS_CHOICE.name(dtype)
+        print(json.dumps({**environment, **settings, "rows": rows}, indent=1))
         return
     PROCESS_CHOICE.chosen[dtype] = Chosen(PACKED, PACKED)  # every model gets its prepacked copies
     pair = load_pair(config)
-    prompts = [pair.encode(p.turns[0]) for p in select(builtin_suite(), None, 1)[: args.prompts]]
+    prompts = [pair.encode(text) for text in texts]
     decoders = {
         "target only": pair.decoder(SamplingParams(), speculative=False),
         "speculative": pair.decoder(SamplingParams()),
@@ -93,42 +88,39 @@ def main() -> None:
         for product in products
         for name in decoders
     ]
-    settings = {"prompts": len(prompts), "tokens": args.tokens, "batch": args.batch}
     print(json.dumps({**environment, **settings, "rows": rows}, indent=1))
 
 
-def fusion_rows(model: torch.nn.Module, dtype: torch.dtype, repeats: int = 30) -> list[dict]:
-    """Milliseconds per forward for the layers' projections at 1 and 5 token rows, each way, separate
-    and fused (median of `repeats` passes over every layer)."""
-    groups = {"separate": [], "fused": []}
-    for layer in model.model.layers:
-        attention, mlp = layer.self_attn, layer.mlp
-        projections = [attention.q_proj, attention.k_proj, attention.v_proj, mlp.gate_proj, mlp.up_proj]
-        rest = [attention.o_proj.weight, mlp.down_proj.weight]
-        groups["separate"] += [p.weight for p in projections] + rest
-        groups["fused"] += [
-            torch.cat([p.weight for p in projections[:3]]),
-            torch.cat([p.weight for p in projections[3:]]),
-        ]
-        groups["fused"] += rest
-    ways = {F_LINEAR: lambda x, w, p: torch.nn.functional.linear(x, w), TURNED: lambda x, w, p: detour(x, w)}
-    ways[PACKED] = lambda x, w, p: packed_linear(x, p)
-    out = []
-    with torch.no_grad():
-        for grouping, weights in groups.items():
-            packed = [pack(w) for w in weights]
-            for rows in (1, 5):
-                inputs = {w.shape[1]: torch.randn(1, rows, w.shape[1], dtype=dtype) for w in weights}
-                for way, product in ways.items():
-                    times = []
-                    for _ in range(repeats + 3):
-                        start = time.perf_counter()
-                        for w, p in zip(weights, packed):
-                            product(inputs[w.shape[1]], w, p)
-                        times.append(time.perf_counter() - start)
-                    ms = 1000 * statistics.median(times[3:])
-                    out.append({"projections": grouping, "rows": rows, "product": way, "ms": round(ms, 3)})
-    return out
+def fusion_rows(config, prompts: list[str], args) -> list[dict]:
+    """Tokens/s with sibling projections (q/k/v, gate/up) as one product (as loading does) and as
+    separate products, two pairs loaded side by side and run in alternating rounds."""
+    pairs = {"fused": load_pair(config)}
+    names, decode_matmul.SIBLING_NAMES = decode_matmul.SIBLING_NAMES, ()
+    pairs["separate"] = load_pair(config)
+    decode_matmul.SIBLING_NAMES = names
+    speeds, tokens = {}, {}
+    for round_index in range(args.rounds + 1):  # round 0 warms up
+        for grouping, pair in pairs.items():
+            ids = [pair.encode(p) for p in prompts]
+            batches = [ids[i : i + args.batch] for i in range(0, len(ids), args.batch)]
+            for name, speculative in (("target only", False), ("speculative", True)):
+                decoder = pair.decoder(SamplingParams(), speculative=speculative)
+                runs = [decoder.generate_batch(batch, args.tokens, seed=0, ignore_eos=True) for batch in batches]
+                tokens[grouping, name] = [r.token_ids for results in runs for r in results]
+                if round_index:
+                    new_tokens = sum(len(r.token_ids) for results in runs for r in results)
+                    seconds = sum(max(r.decode_seconds for r in rs) for rs in runs)
+                    speeds.setdefault((grouping, name), []).append(new_tokens / seconds)
+    return [
+        {
+            "projections": grouping,
+            "mode": name,
+            "tok_s": [round(s, 2) for s in values],
+            "median_tok_s": round(statistics.median(values), 2),
+            "prompts_equal_to_separate": sum(a == b for a, b in zip(tokens[grouping, name], tokens["separate", name])),
+        }
+        for (grouping, name), values in speeds.items()
+    ]
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ from specdec_cli.loading.decode_matmul import (
     TURNED,
     WIDE_ROWS,
     Chosen,
+    Linear,
     MatmulChoice,
+    SiblingForward,
     detour,
     pack,
     packed_linear,
@@ -84,6 +86,22 @@ def test_gradients_go_through_f_linear(product):
     torch.testing.assert_close(x.grad, weight.sum(0).expand(1, 2, 24))
 
 
+def test_a_compiled_forward_takes_f_linear_whose_product_inductor_can_lower():
+    """A prepacked weight is an opaque oneDNN tensor that inductor cannot lower: under torch.compile
+    the routed layer must hand inductor F.linear (it packs its own weights where freezing is on)."""
+    x, weight, bias = operands((1, 3), True)
+    if pack(weight) is None:
+        pytest.skip("no oneDNN linear on this CPU")
+    module = torch.nn.Linear(24, 40).requires_grad_(False)
+    module.weight.copy_(weight)
+    module.bias.copy_(bias)
+    module.forward = Linear(chosen(PACKED), module)
+    assert module.forward.packed is not None
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(module, fullgraph=True)(x), F.linear(x, weight, bias))
+
+
 def fresh_copy(model: torch.nn.Module) -> torch.nn.Module:
     copy = type(model)(model.config).eval()
     copy.load_state_dict(model.state_dict())
@@ -91,7 +109,9 @@ def fresh_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def rerouted(model: torch.nn.Module) -> list[bool]:
-    return ["forward" in vars(m) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    """For each linear layer but the sibling projections (always one product): taken over or not."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    return ["forward" in vars(m) for m in linears if not isinstance(vars(m).get("forward"), SiblingForward)]
 
 
 @pytest.mark.parametrize("product", [TURNED, PACKED])
@@ -113,6 +133,31 @@ def test_a_model_decodes_the_same_through_each_product(tiny_target, product, dty
         wide_ids = torch.arange(3, 3 + MAX_ROWS + 2)[None]
         reference = fresh_copy(tiny_target).to(dtype)(input_ids=wide_ids).logits
         torch.testing.assert_close(model(input_ids=wide_ids).logits, reference, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("product", [F_LINEAR, TURNED, PACKED])
+def test_sibling_projections_share_one_weight_and_each_gets_its_own_product(tiny_target, product):
+    model = fresh_copy(tiny_target)
+    chosen(product).route(model)
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    for group in ((attention.q_proj, attention.k_proj, attention.v_proj), (mlp.gate_proj, mlp.up_proj)):
+        assert len({m.weight.untyped_storage().data_ptr() for m in group}) == 1  # views of one weight
+    generator = torch.Generator().manual_seed(1)
+    x, y = (torch.randn(1, 3, model.config.hidden_size, generator=generator) for _ in range(2))
+    with torch.no_grad():
+        outputs = [
+            (attention.q_proj(x), attention.q_proj, x),
+            (attention.k_proj(y), attention.k_proj, y),  # another input: not x's part
+            (attention.v_proj(x), attention.v_proj, x),
+            (attention.v_proj(x), attention.v_proj, x),  # twice
+            (mlp.up_proj(x), mlp.up_proj, x),  # the second sibling called first
+            (mlp.gate_proj(x), mlp.gate_proj, x),
+        ]
+    for out, module, given in outputs:
+        torch.testing.assert_close(out, F.linear(given, module.weight), atol=1e-5, rtol=1e-5)
+    attention.k_proj.weight.requires_grad_(True)  # unfrozen for training: gradients reach its own weight
+    attention.k_proj(x).sum().backward()
+    torch.testing.assert_close(attention.k_proj.weight.grad, x.sum((0, 1)).expand_as(attention.k_proj.weight))
 
 
 def test_the_first_model_of_each_dtype_decides_by_measurement(tiny_target):

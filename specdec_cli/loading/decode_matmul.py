@@ -16,6 +16,10 @@ F.linear takes everything on GPUs, with gradients or under autocast. Results dif
 in the last bits at most (another summation order), and the target-only baseline goes through the
 same path as speculative decoding, so benchmark ratios compare like with like. A prepacked model
 keeps both copies of its weights.
+
+Sibling projections of one input (q, k and v; gate and up) are taken as one product over their
+weights side by side, as vLLM fuses them: fewer, larger products are faster on a CPU, and the
+model's own forward is left as it is (`Siblings`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ TIMED_BYTES = 256 * 2**20  # weights timed: enough to stream from memory, as in 
 NARROW_ROWS = (1, 4)  # a target-only decoding step and a verification block of 3 draft tokens
 WIDE_ROWS = (16,)  # a batch of 4 rows verifying 3 draft tokens each
 CHOSEN_DTYPES = (torch.float32, torch.bfloat16)
+# projections of one input that a layer calls one after another, as transformers names them
+SIBLING_NAMES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 F_LINEAR, TURNED, PACKED = "x @ W.T", "W @ x.T", "oneDNN, prepacked"
 
@@ -114,6 +120,64 @@ class Linear:
         return self.choice.linear(x, self.module.weight, self.module.bias, self.packed)
 
 
+class Siblings:
+    """Linear layers of one input taken as one product: the first of them called with an input
+    computes every sibling's output, and each other one, called next with that same tensor, takes
+    its part; called with another input (or twice), a layer computes afresh. Their weights become
+    views of the joint weight (no second copy); the joint one is prepacked where that way was
+    chosen. Under torch.compile (inductor fuses on its own) or with gradients each layer takes its
+    own product."""
+
+    def __init__(self, choice: MatmulChoice, modules: list[torch.nn.Module]):
+        self.choice, self.modules = choice, modules
+        self.sizes = [m.weight.shape[0] for m in modules]
+        self.weight = torch.cat([m.weight for m in modules])
+        self.bias = None if modules[0].bias is None else torch.cat([m.bias for m in modules])
+        for index, module in enumerate(modules):
+            module.weight = torch.nn.Parameter(self.weight.split(self.sizes)[index], requires_grad=False)
+            if self.bias is not None:
+                module.bias = torch.nn.Parameter(self.bias.split(self.sizes)[index], requires_grad=False)
+            module.forward = SiblingForward(self, index)
+        self.packed = pack(self.weight) if PACKED in choice.chosen.get(self.weight.dtype, ()) else None
+        self.input: torch.Tensor | None = None
+        self.parts: list[torch.Tensor | None] = []
+
+    def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        module = self.modules[index]
+        if torch.compiler.is_compiling() or torch.is_grad_enabled():  # gradients reach the layer's own weight
+            return self.choice.linear(x, module.weight, module.bias)
+        if self.input is not x or self.parts[index] is None:
+            out = self.choice.linear(x, self.weight, self.bias, self.packed)
+            self.input, self.parts = x, [part.contiguous() for part in out.split(self.sizes, dim=-1)]
+        part, self.parts[index] = self.parts[index], None
+        if all(p is None for p in self.parts):
+            self.input = None  # nothing left to hand out: let the input go
+        return part
+
+
+class SiblingForward:
+    def __init__(self, siblings: Siblings, index: int):
+        self.siblings, self.index = siblings, index
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.siblings.output(x, self.index)
+
+
+def sibling_groups(model: torch.nn.Module) -> list[list[torch.nn.Linear]]:
+    """Each module's children named as sibling projections (`SIBLING_NAMES`), where all are plain
+    linear layers of one input width, dtype and kind of bias."""
+    groups = []
+    for parent in model.modules():
+        for names in SIBLING_NAMES:
+            members = [getattr(parent, name, None) for name in names]
+            if not all(type(m) is torch.nn.Linear for m in members):
+                continue
+            kinds = {(m.in_features, m.weight.dtype, m.bias is None) for m in members}
+            if len(kinds) == 1:
+                groups.append(members)
+    return groups
+
+
 class MatmulChoice:
     """Which product serves a process's CPU matmuls, per dtype: unknown until the first such model is
     loaded, then measured once over its weights and kept for every later one."""
@@ -135,6 +199,8 @@ class MatmulChoice:
         chosen = self.chosen.get(weight.dtype) if x.device.type == "cpu" and x.dtype == weight.dtype else None
         if chosen is None or torch.is_autocast_enabled("cpu") or (torch.is_grad_enabled() and x.requires_grad):
             return F.linear(x, weight, bias)
+        if torch.compiler.is_compiling():  # inductor picks (and with freezing, packs) its own products
+            return F.linear(x, weight, bias)
         product = chosen.narrow if x.numel() // x.shape[-1] <= MAX_ROWS else chosen.wide
         if product == PACKED and packed is not None and packed.dtype == x.dtype:
             return packed_linear(x, packed, bias)
@@ -144,7 +210,8 @@ class MatmulChoice:
 
     def route(self, model: torch.nn.Module) -> None:
         """Freeze a CPU float32 or bfloat16 model and route its linear layers through the chosen product
-        (measured over this model's weights if it is the first of its dtype)."""
+        (measured over this model's weights if it is the first of its dtype), sibling projections as
+        one product."""
         parameter = next(model.parameters(), None)
         if parameter is None or parameter.device.type != "cpu" or parameter.dtype not in CHOSEN_DTYPES:
             return
@@ -165,9 +232,14 @@ class MatmulChoice:
                 seconds = time_products(weights, timed_rows, packed)
                 fastest.append(min(seconds, key=seconds.get))
             self.chosen[parameter.dtype] = Chosen(*fastest)
+        fused = set()
+        for group in sibling_groups(model):
+            Siblings(self, group)
+            fused.update(map(id, group))
         if self.chosen.get(parameter.dtype, (F_LINEAR, F_LINEAR)) != (F_LINEAR, F_LINEAR):
             for module in linears:
-                module.forward = Linear(self, module)
+                if id(module) not in fused:
+                    module.forward = Linear(self, module)
 
 
 def room_for_copies(linears: list[torch.nn.Module]) -> bool:
