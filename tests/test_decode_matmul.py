@@ -160,6 +160,19 @@ def test_sibling_projections_share_one_weight_and_each_gets_its_own_product(tiny
     torch.testing.assert_close(attention.k_proj.weight.grad, x.sum((0, 1)).expand_as(attention.k_proj.weight))
 
 
+def test_sibling_projections_with_biases_keep_their_own():
+    attention = torch.nn.Module()
+    for name, width in (("q_proj", 40), ("k_proj", 8), ("v_proj", 8)):
+        setattr(attention, name, torch.nn.Linear(24, width))
+    expected = {name: (m.weight.clone(), m.bias.clone()) for name, m in attention.named_children()}
+    chosen(TURNED).route(attention)
+    x = torch.randn(1, 2, 24)
+    with torch.no_grad():
+        outputs = {name: getattr(attention, name)(x) for name in ("q_proj", "k_proj", "v_proj")}
+    for name, (weight, bias) in expected.items():
+        torch.testing.assert_close(outputs[name], F.linear(x, weight, bias))
+
+
 def test_the_first_model_of_each_dtype_decides_by_measurement(tiny_target):
     weights = [m.weight for m in tiny_target.modules() if isinstance(m, torch.nn.Linear)]
     seconds = time_products(weights, repeats=1)

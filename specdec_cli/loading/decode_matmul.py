@@ -133,10 +133,11 @@ class Siblings:
         self.sizes = [m.weight.shape[0] for m in modules]
         self.weight = torch.cat([m.weight for m in modules])
         self.bias = None if modules[0].bias is None else torch.cat([m.bias for m in modules])
-        for index, module in enumerate(modules):
-            module.weight = torch.nn.Parameter(self.weight.split(self.sizes)[index], requires_grad=False)
-            if self.bias is not None:
-                module.bias = torch.nn.Parameter(self.bias.split(self.sizes)[index], requires_grad=False)
+        biases = self.bias.split(self.sizes) if self.bias is not None else [None] * len(modules)
+        for index, (module, weight, bias) in enumerate(zip(modules, self.weight.split(self.sizes), biases)):
+            module.weight = torch.nn.Parameter(weight, requires_grad=False)
+            if bias is not None:
+                module.bias = torch.nn.Parameter(bias, requires_grad=False)
             module.forward = SiblingForward(self, index)
         self.packed = pack(self.weight) if PACKED in choice.chosen.get(self.weight.dtype, ()) else None
         self.input: torch.Tensor | None = None
