@@ -320,7 +320,7 @@ def tune(
     finalists: Annotated[
         int,
         typer.Option(
-            min=0, help="Predicted best draft lengths run for real, besides the target alone and the config's own."
+            min=0, help="Predicted best candidates run for real, besides the target alone and the config's own."
         ),
     ] = 2,
     budget_minutes: Annotated[
@@ -340,11 +340,12 @@ def tune(
     runs_dir: RunsDirOpt = None,
     record: RecordOpt = True,
 ) -> None:
-    """Find the draft tokens per block that decode fastest at each batch size and temperature: the config's
-    full drafting on every prompt and a short probe predict every shorter length's speedup, the best few run
-    for real beside the target alone and the config as it is, and the measured best is kept. Writes
-    runs/<time>-tune-<name>/ with tuned.yaml (the config with speculation.schedule), vLLM's
-    speculative_config where vLLM has the draft, report.md and a chart."""
+    """Find how blocks decode fastest at each batch size and temperature: the draft tokens per block, and
+    whether a tree, the other verification rule or another confidence threshold beats the config's own
+    chain. The config's full drafting on every prompt and a short probe of every candidate predict each
+    one's speedup, the best few run for real beside the target alone and the config as it is, and the
+    measured best is kept. Writes runs/<time>-tune-<name>/ with tuned.yaml (the config with
+    speculation.schedule), vLLM's speculative_config where vLLM has the draft, report.md and a chart."""
     cfg = configure(
         config,
         sampling__seed=seed,

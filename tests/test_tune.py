@@ -6,13 +6,25 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
-from specdec_cli.bench.tuning import Choice, Probe, finalists, predicted_speedup, schedule_ranges
+from specdec_cli.bench.tuning import (
+    OWN,
+    Choice,
+    Probe,
+    Setting,
+    finalists,
+    predicted_speedup,
+    schedule_ranges,
+    written_setting,
+    written_style,
+)
 from specdec_cli.cli import app
-from specdec_cli.config import load_config
+from specdec_cli.commands.tune import tuned_config, with_setting
+from specdec_cli.config import Schedule, load_config, parse_config
 from specdec_cli.decoding.metrics import StepRecord
-from specdec_cli.decoding.params import BatchSchedule, SamplingParams
+from specdec_cli.decoding.params import BatchSchedule, SamplingParams, TreeShape
 from specdec_cli.pair import load_pair
 
 runner = CliRunner()
@@ -35,27 +47,64 @@ def test_the_schedule_holds_each_choice_from_its_batch_size_to_the_next(chosen, 
 
 
 def test_finalists_are_the_target_alone_the_config_and_the_predicted_best():
-    predicted = {0: 1.0, 1: 1.3, 2: 1.5, 3: 1.4, 4: 1.1}
-    assert finalists(predicted, {4}, count=2) == [0, 2, 3, 4]
-    assert finalists(predicted, {2}, count=1) == [0, 2, 3]
-    assert finalists(predicted, {4}, count=0) == [0, 4]
-    assert finalists(predicted, {4, 1}, count=1) == [0, 1, 2, 4]
+    predicted = {"0": 1.0, "1": 1.3, "2": 1.5, "3": 1.4, "4": 1.1, "4 block": 1.45}
+    assert finalists(predicted, {"4"}, count=2) == ["0", "2", "4", "4 block"]
+    assert finalists(predicted, {"2"}, count=1) == ["0", "2", "4 block"]
+    assert finalists(predicted, {"4"}, count=0) == ["0", "4"]
+    assert finalists(predicted, {"4", "1"}, count=1) == ["0", "1", "2", "4"]
 
 
 def test_the_measured_best_is_chosen_over_the_predicted():
-    choice = Choice(1, 0.0, {0: 1.0, 1: 1.2, 2: 1.6}, {0: 1.0, 1: 1.3, 2: 1.1}, {}, 2)
-    assert choice.chosen == 1
-    assert Choice(1, 0.0, {0: 1.0, 1: 1.2, 2: 1.6}, {}, {}, 2).chosen == 2  # nothing ran: the prediction
-    assert Choice(1, 0.0, {0: 1.0, 1: 0.9}, {0: 1.0, 1: 1.0}, {}, 1).chosen == 0  # a tie: fewer drafts
+    choice = Choice(1, 0.0, {"0": 1.0, "1": 1.2, "2": 1.6}, {"0": 1.0, "1": 1.3, "2": 1.1}, {}, "2")
+    assert choice.chosen == "1"
+    assert Choice(1, 0.0, {"0": 1.0, "1": 1.2, "2": 1.6}, {}, {}, "2").chosen == "2"  # nothing ran: the prediction
+    assert Choice(1, 0.0, {"0": 1.0, "1": 0.9}, {"0": 1.0, "1": 1.0}, {}, "1").chosen == "0"  # a tie: fewer drafts
 
 
 def test_the_prediction_of_shorter_blocks_worked_by_hand():
-    """Blocks of the full length 2 accepted 2, 1, 0 and 2 drafts: cut to 1 draft, they keep 1, 1, 0, 1."""
+    """Blocks of the full length 2 accepted 2, 1, 0 and 2 drafts: cut to 1 draft, they keep 1, 1, 0, 1. A
+    setting that is more than a length is predicted by its probe's tokens/s."""
     steps = [StepRecord(2, a, a + 1, draft_seconds=0.1, verify_seconds=0.3) for a in (2, 1, 0, 2)]
-    probe = Probe(2, alone_tokens_per_second=10.0, block_seconds={1: 0.25, 2: 0.4}, rows_per_block={1: 2.0, 2: 1.5})
-    assert predicted_speedup(probe, 2, steps) == pytest.approx(1.5 * (1 + 5 / 4) / 0.4 / 10.0)
-    assert predicted_speedup(probe, 1, steps) == pytest.approx(2.0 * (1 + 3 / 4) / 0.25 / 10.0)
-    assert predicted_speedup(probe, 0, steps) == 1.0
+    probe = Probe(
+        2,
+        block_seconds={"1": 0.25, "2": 0.4},
+        rows_per_block={"1": 2.0, "2": 1.5},
+        tokens_per_second={"0": 10.0, "2 threshold 0.4": 13.0},
+    )
+    assert predicted_speedup(probe, Setting(2), steps) == pytest.approx(1.5 * (1 + 5 / 4) / 0.4 / 10.0)
+    assert predicted_speedup(probe, Setting(1), steps) == pytest.approx(2.0 * (1 + 3 / 4) / 0.25 / 10.0)
+    assert predicted_speedup(probe, Setting(0), steps) == 1.0
+    assert predicted_speedup(probe, Setting(2, threshold=0.4), steps) == pytest.approx(1.3)
+
+
+TREE = Setting(3, tree=TreeShape(3, 2, 6))
+OPTIONS = {s.label: s for s in [Setting(0), Setting(1), Setting(2), Setting(2, verification="block"), TREE]}
+
+
+def cells(best: dict[tuple[float, int], dict[str, float]]) -> list[Choice]:
+    return [Choice(size, t, measured, measured, {}, "2") for (t, size), measured in best.items()]
+
+
+def test_another_style_is_written_only_where_it_was_best_wherever_it_changes_decoding():
+    """The block rule changes sampled chains only: written when it was measured best at every sampled
+    batch size (or the target alone was); a tree has no off, so it must be best everywhere."""
+    block = cells(
+        {
+            (0.0, 1): {"0": 1.0, "1": 1.2, "2": 1.3},  # greedy: the rule does not apply
+            (1.0, 1): {"0": 1.0, "2": 1.1, "2 block": 1.2},
+            (1.0, 4): {"0": 1.0, "2": 0.8, "2 block": 0.9},  # the target alone, which a schedule can give
+        }
+    )
+    assert written_style(block, OPTIONS) == Setting(0, verification="block")
+    assert [written_setting(c, Setting(0, verification="block"), OPTIONS) for c in block] == ["2", "2 block", "0"]
+    block[1].measured["2"] = 1.25  # the config's own rule best at one sampled size: the config's own style
+    assert written_style(block, OPTIONS) == OWN
+    assert [written_setting(c, OWN, OPTIONS) for c in block] == ["2", "2", "0"]
+    tree = cells({(0.0, 1): {"0": 1.0, "2": 1.3, TREE.label: 1.4}, (0.0, 4): {"0": 1.0, "2": 0.9, TREE.label: 0.8}})
+    assert written_style(tree, OPTIONS) == OWN  # the tree lost to the target alone at 4, and cannot be off
+    tree[1].measured[TREE.label] = 1.05
+    assert written_style(tree, OPTIONS) == TREE.style
+    assert [written_setting(c, TREE.style, OPTIONS) for c in tree] == [TREE.label] * 2
 
 
 @pytest.fixture
@@ -83,33 +132,37 @@ def test_tune_keeps_the_measured_best_at_every_batch_size_and_temperature(tuned)
     assert not record["partial"]
     assert {(c["batch_size"], c["temperature"]) for c in record["choices"]} == {(1, 0), (2, 0), (1, 1), (2, 1)}
     for choice in record["choices"]:
-        measured = {int(k): v for k, v in choice["measured"].items()}
-        assert set(measured) >= {0, 3}  # the target alone and the config as it is ran beside the others
-        assert set(int(k) for k in choice["predicted"]) == {0, 1, 2, 3}
+        measured = choice["measured"]
+        assert set(measured) >= {"0", "3"}  # the target alone and the config as it is ran beside the others
+        others = {"3 threshold 0.2", "3 threshold 0.4", "tree 3,2,6"} | (
+            {"3 block"} if choice["temperature"] else set()
+        )
+        assert set(choice["predicted"]) == {"0", "1", "2", "3"} | others  # the rule changes sampled chains only
         assert measured[choice["chosen"]] == max(measured.values())
+        assert choice["written"] in measured
     # the acceptance that predicts is the full drafting's on every prompt at that batch size
     assert {(a["temperature"], a["batch_size"]) for a in record["acceptance"]} == {(0, 1), (0, 2), (1, 1), (1, 2)}
     for seen in record["acceptance"]:
         runs = [
             r
             for r in record["batch_runs"]
-            if (r["batch_size"], r["num_draft_tokens"], r["temperature"])
-            == (seen["batch_size"], 3, seen["temperature"])
+            if (r["batch_size"], r["setting"], r["temperature"]) == (seen["batch_size"], "3", seen["temperature"])
         ]
         assert len({p for r in runs for p in r["prompt_ids"]}) == 3
         full = [s for r in runs for rep in r["repeats"] for s in rep["steps"]]
         assert seen["blocks"] == len(full)
         assert seen["mean_accepted"]["3"] == pytest.approx(sum(s[1] for s in full) / len(full))
-    greedy = {c["batch_size"]: c["chosen"] for c in record["choices"] if c["temperature"] == 0}
-    schedule = BatchSchedule.parse(record["schedule"]["greedy"])
-    assert {size: schedule.tokens(size) for size in greedy} == greedy
+    if record["style"] is None:  # the config's own chain: the schedule holds each size's written length
+        greedy = {c["batch_size"]: int(c["written"]) for c in record["choices"] if c["temperature"] == 0}
+        schedule = BatchSchedule.parse(record["schedule"]["greedy"])
+        assert {size: schedule.tokens(size) for size in greedy} == greedy
     assert {p.name for p in folder.iterdir()} >= {"record.json", "tuned.yaml", "report.md", "chart.png"}
 
 
 def test_the_tuned_config_runs_as_written_and_stays_exact(tuned, tmp_path):
     record, folder = tuned
     cfg = load_config(str(folder / "tuned.yaml"))
-    assert cfg.speculation.schedule.greedy == record["schedule"]["greedy"]
+    assert cfg.speculation.schedule == (record["schedule"] and Schedule(**record["schedule"]))
     pair = load_pair(cfg)
     prompts = [pair.encode(p) for p in ("Hello there", "Once upon a time", "Count to ten")]
     alone = pair.decoder(SamplingParams(), speculative=False).generate_batch(prompts, 12, seed=0)
@@ -141,7 +194,7 @@ def test_a_config_with_a_schedule_runs_its_own_length_and_keeps_what_was_not_tun
     schedule = {"greedy": [[1, 4, 2]], "sampled": [[1, 1, 1], [2, 4, 0]]}
     record = greedy_tune(write_config({"speculation": {"num_draft_tokens": 3, "schedule": schedule}}), prompts)
     for choice in record["choices"]:
-        assert choice["config_tokens"] == 2
+        assert choice["config_label"] == "2"
         assert {"0", "2", "3"} <= set(choice["measured"])  # alone, the config's own, the full drafting
     assert record["schedule"]["sampled"] == schedule["sampled"]  # only greedy was tuned
     assert set(record["vllm_speculative_config"]) == {"greedy", "sampled"}
@@ -154,7 +207,7 @@ def test_a_spent_budget_keeps_the_predictions(write_config, prompts):
     assert {(r["batch_size"], r["num_draft_tokens"]) for r in record["batch_runs"]} == {(1, 3)}
     for choice in record["choices"]:
         assert choice["measured"] == {}  # the target alone never ran: nothing to set the full drafting against
-        predicted = {int(k): v for k, v in choice["predicted"].items()}
+        predicted = choice["predicted"]
         assert choice["chosen"] == max(predicted, key=predicted.get)
 
 
@@ -177,3 +230,33 @@ def test_a_tree_config_is_refused(write_config):
     run = runner.invoke(app, ["tune", "-c", str(config), "--no-record"])
     assert run.exit_code == 2
     assert run.stderr.startswith("Error: tune chooses a chain's draft tokens") and run.stderr.count("\n") == 1
+
+
+def test_a_setting_decodes_with_its_own_threshold_and_tree_and_leaves_the_pair_as_it_was(write_config):
+    pair = load_pair(load_config(str(write_config())))
+    prompts = [pair.encode(p) for p in ("Hello there", "Once upon a time")]
+    alone = [r.token_ids for r in pair.decoder(SamplingParams(), speculative=False).generate_batch(prompts, 12, 0)]
+    unsure = with_setting(pair, Setting(3, threshold=0.99))  # a tiny random draft is never that sure
+    rows = unsure.decoder(SamplingParams()).generate_batch(prompts, 12, 0)
+    assert [r.token_ids for r in rows] == alone
+    assert max(s.drafted for r in rows for s in r.steps) <= 1
+    assert pair.drafter.confidence_threshold == 0.0
+    assert max(s.drafted for r in pair.decoder(SamplingParams()).generate_batch(prompts, 12, 0) for s in r.steps) == 3
+    tree = with_setting(pair, TREE)
+    rows = tree.decoder(SamplingParams(), tree=TREE.tree).generate_batch(prompts, 12, 0)
+    assert [r.token_ids for r in rows] == alone
+
+
+def test_the_written_style_goes_into_tuned_yaml(write_config):
+    cfg = load_config(str(write_config()))
+    written = parse_config(yaml.safe_load(tuned_config(cfg, TREE.style, None)))
+    assert written.speculation.tree == TREE.tree and written.speculation.schedule is None
+    block = Setting(0, verification="block", threshold=0.4).style
+    schedule = Schedule(greedy=[[1, 2, 3], [3, 8, 0]], sampled=[[1, 8, 2]])
+    written = parse_config(yaml.safe_load(tuned_config(cfg, block, schedule)))
+    speculation = written.speculation
+    assert (speculation.verification, speculation.confidence_threshold, speculation.schedule) == (
+        "block",
+        0.4,
+        schedule,
+    )

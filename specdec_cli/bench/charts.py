@@ -220,18 +220,19 @@ def draw_tuning(record: dict) -> dict[str, bytes]:
         choices.sort(key=lambda c: c["batch_size"])
         sizes = [c["batch_size"] for c in choices]
         lines = [
-            ("tuned, measured", "C0", "-", [c["measured"].get(c["chosen"], math.nan) for c in choices]),
-            ("tuned, predicted", "C0", "--", [c["predicted"][c["chosen"]] for c in choices]),
-            ("config as it is", "C1", ":", [c["measured"].get(c["config_tokens"], math.nan) for c in choices]),
+            ("tuned, measured", "C0", "-", [c["measured"].get(c["written"], math.nan) for c in choices]),
+            ("tuned, predicted", "C0", "--", [c["predicted"][c["written"]] for c in choices]),
+            ("config as it is", "C1", ":", [c["measured"].get(c["config_label"], math.nan) for c in choices]),
         ]
         for label, colour, style, values in lines:
             ax.plot(sizes, values, style, color=colour, marker="o", label=label)
         for size, c in zip(sizes, choices):
-            ax.annotate(str(c["chosen"] or "off"), (size, c["predicted"][c["chosen"]]), fontsize="small")
+            label = "off" if c["written"] == "0" else c["written"]
+            ax.annotate(label, (size, c["predicted"][c["written"]]), fontsize="small")
         ax.axhline(1.0, color="gray", linestyle="--", linewidth=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [str(s) for s in sizes])
         ax.set(title=temperature_label(temperature), xlabel="batch size", ylabel="speedup over the target alone")
     _legend(axes[-1])
-    figure.suptitle(f"{heading(record)}: draft tokens per block (labels) by batch size")
+    figure.suptitle(f"{heading(record)}: speculation (labels: draft tokens, or tree) by batch size")
     return _files(figure)

@@ -1,13 +1,15 @@
-"""`specdec tune`'s arithmetic: a speedup predicted for every draft length a schedule can give, from
-the config's full drafting run on every prompt and a short probe at the same batch size, and the choice
-among the lengths then run for real.
+"""`specdec tune`'s arithmetic: a speedup predicted for every candidate setting, from the config's full
+drafting run on every prompt and a short probe at the same batch size, and the choice among the
+settings then run for real.
 
 Cutting every block to g draft tokens keeps each block's first min(drafted, g) drafts and
 min(accepted, g) of its accepted ones (a chain's acceptance is decided token by token, so its prefix is
 accepted as it would be alone), so one run of the full drafting gives the acceptance of every shorter
-length on all the prompts. A probe decodes a few prompts for a few tokens at every length, which times
-a block of each as the loop runs it: its verification as wide as its rows' drafts, the drafting, and
-the loop's own work."""
+length on all the prompts. A probe decodes a few prompts for a few tokens with every candidate, which
+times a block of each as the loop runs it: its verification as wide as its rows' drafts, the
+drafting, and the loop's own work. The candidates that change more than the length (a tree, another
+verification rule or confidence threshold) cannot be cut from the full run: the probe's own tokens/s
+predicts them."""
 
 from __future__ import annotations
 
@@ -15,56 +17,129 @@ import statistics
 from dataclasses import dataclass
 
 from specdec_cli.decoding.metrics import StepRecord
+from specdec_cli.decoding.params import TreeShape
+
+ALONE = "0"  # the target alone's label
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One candidate: draft tokens per block (0: the target alone; a tree: its depth), and what differs
+    from the config's own drafting: a tree, the sampled chains' verification rule, the confidence
+    threshold (None: the config's)."""
+
+    tokens: int
+    tree: TreeShape | None = None
+    verification: str | None = None
+    threshold: float | None = None
+
+    @property
+    def label(self) -> str:
+        """ "3", "3 block", "3 threshold 0.4", "tree 3,2,6"; a style alone: "block", "threshold 0.4"."""
+        if self.tree is not None:
+            return f"tree {self.tree.spec}"
+        rule = [self.verification] if self.verification else []
+        threshold = [f"threshold {self.threshold:g}"] if self.threshold is not None else []
+        tokens = [str(self.tokens)] if self.tokens or not (rule or threshold) else []
+        return " ".join(tokens + rule + threshold)
+
+    @property
+    def style(self) -> Setting:
+        """What a schedule cannot vary by batch size: this setting with the length taken out."""
+        return Setting(0, self.tree, self.verification, self.threshold)
+
+    @property
+    def cut(self) -> bool:
+        """The config's own chain at some length: predicted by cutting its full drafting's blocks."""
+        return self.style == OWN
+
+
+OWN = Setting(0)  # the config's own drafting, as a style
+
+
+def runs_under(setting: Setting, style: Setting, greedy: bool) -> bool:
+    """Whether a config written with `style` runs `setting` at some batch size: a chain style's schedule
+    can leave a size to the target alone (a tree cannot), and greedy chains ignore the rule."""
+    if setting.tokens == 0:
+        return style.tree is None
+    if not changes(style, greedy):
+        return setting.cut
+    return setting.style == style
+
+
+def changes(style: Setting, greedy: bool) -> bool:
+    """Whether `style` decodes differently from the config's own: a rule alone changes sampled chains only."""
+    return style != OWN and not (greedy and style.tree is None and style.threshold is None)
 
 
 @dataclass(frozen=True)
 class Probe:
-    """What one batch size's probes measured at one temperature: the target alone's tokens/s, and per
-    draft length a block of the whole batch (drafting, verifying and the loop's own work) and the rows
-    decoding in it."""
+    """What one batch size's probes measured at one temperature, per candidate label: a block of the
+    whole batch (drafting, verifying and the loop's own work), the rows decoding in it (rows leave at
+    EOS), and tokens/s; the target alone's tokens/s under ALONE."""
 
     batch_size: int
-    alone_tokens_per_second: float
-    block_seconds: dict[int, float]  # draft tokens -> seconds per block
-    rows_per_block: dict[int, float]  # draft tokens -> rows decoding per block (rows leave at EOS)
+    block_seconds: dict[str, float]
+    rows_per_block: dict[str, float]
+    tokens_per_second: dict[str, float]
+
+    @property
+    def alone_tokens_per_second(self) -> float:
+        return self.tokens_per_second[ALONE]
 
 
 def mean_accepted(steps: list[StepRecord], tokens: int) -> float:
     return statistics.fmean(min(s.accepted, tokens) for s in steps)
 
 
-def predicted_speedup(probe: Probe, tokens: int, acceptance: list[StepRecord]) -> float:
-    """Tokens/s of blocks cut to `tokens` drafts over the target alone's, at the probe's batch size.
-    `acceptance`: the steps of a full-drafting run at that batch size, cut to `tokens`."""
-    if tokens == 0:
+def predicted_speedup(probe: Probe, setting: Setting, acceptance: list[StepRecord]) -> float:
+    """Tokens/s of `setting` over the target alone's, at the probe's batch size. The config's own chain
+    cut to fewer tokens: the probe's blocks of that length carrying the acceptance of `acceptance` (the
+    steps of a full-drafting run at that batch size) cut to them; anything else: the probe's tokens/s."""
+    if setting.tokens == 0:
         return 1.0
-    tokens_per_block = probe.rows_per_block[tokens] * (1 + mean_accepted(acceptance, tokens))
-    return tokens_per_block / probe.block_seconds[tokens] / probe.alone_tokens_per_second
+    label = setting.label
+    if not setting.cut:
+        return probe.tokens_per_second[label] / probe.alone_tokens_per_second
+    tokens_per_block = probe.rows_per_block[label] * (1 + mean_accepted(acceptance, setting.tokens))
+    return tokens_per_block / probe.block_seconds[label] / probe.alone_tokens_per_second
 
 
 @dataclass
 class Choice:
-    """One batch size and temperature: every length's prediction, the measured finalists, the pick."""
+    """One batch size and temperature: every candidate's prediction, the measured finalists, the pick,
+    by candidate label."""
 
     batch_size: int
     temperature: float
-    predicted: dict[int, float]  # draft tokens -> predicted speedup
-    measured: dict[int, float]  # draft tokens -> measured speedup (finalists; 0 is the target alone)
-    accepted_length: dict[int, float | None]  # draft tokens -> measured mean accepted length
-    config_tokens: int  # what the config as it is drafts at this batch size (its schedule's, else its longest block)
+    predicted: dict[str, float]  # label -> predicted speedup
+    measured: dict[str, float]  # label -> measured speedup (finalists; ALONE is the target alone)
+    accepted_length: dict[str, float | None]  # label -> measured mean accepted length
+    config_label: str  # what the config as it is drafts at this batch size (its schedule's, else its longest block)
+
+    def best(self, allowed: set[str] | None = None) -> str:
+        """The measured fastest of `allowed` (default: all; ties: the earlier label, so fewer draft
+        tokens); before any finalist ran, the predicted."""
+        table = self.measured or self.predicted
+        labels = [label for label in table if allowed is None or label in allowed]
+        return max(sorted(labels, key=order), key=lambda label: table[label])
 
     @property
-    def chosen(self) -> int:
-        """The measured fastest (ties: fewer draft tokens); before any finalist ran, the predicted."""
-        table = self.measured or self.predicted
-        return max(sorted(table), key=lambda tokens: table[tokens])
+    def chosen(self) -> str:
+        return self.best()
 
 
-def finalists(predicted: dict[int, float], always: set[int], count: int) -> list[int]:
-    """The lengths to run for real: the target alone, `always` (the config's own), and the `count`
+def order(label: str) -> tuple:
+    """Candidates in a fixed order: the config's own lengths by length first, then the others."""
+    return (0, int(label), "") if label.isdigit() else (1, 0, label)
+
+
+def finalists(predicted: dict[str, float], always: set[str], count: int) -> list[str]:
+    """The candidates to run for real: the target alone, `always` (the config's own), and the `count`
     predicted best of the others."""
-    best = sorted((t for t in predicted if t not in {0, *always}), key=lambda t: -predicted[t])[:count]
-    return sorted({0, *always, *best})
+    rest = sorted((label for label in predicted if label not in {ALONE, *always}), key=order)
+    best = sorted(rest, key=lambda label: -predicted[label])[:count]
+    return sorted({ALONE, *always, *best}, key=order)
 
 
 def schedule_ranges(chosen: dict[int, int]) -> list[list[int]]:
@@ -80,3 +155,22 @@ def schedule_ranges(chosen: dict[int, int]) -> list[list[int]]:
         else:
             ranges.append([first, last, chosen[size]])
     return ranges
+
+
+def written_style(choices: list[Choice], candidates: dict[str, Setting]) -> Setting:
+    """The style tuned.yaml is written with: another than the config's own where, at every batch size and
+    temperature it changes, the measured best runs under it (for a chain, the target alone counts) and at
+    least once is its own; else the config's own, whose schedule reaches the best of its lengths."""
+    for style in sorted({s.style for s in candidates.values() if not s.cut}, key=lambda s: s.label):
+        best = [(candidates[c.chosen], c.temperature == 0) for c in choices if changes(style, c.temperature == 0)]
+        if any(s.style == style for s, _ in best) and all(runs_under(s, style, greedy) for s, greedy in best):
+            return style
+    return OWN
+
+
+def written_setting(choice: Choice, style: Setting, candidates: dict[str, Setting]) -> str:
+    """The label a config written with `style` runs at this batch size and temperature: the measured best
+    of those it can run."""
+    allowed = {label for label, s in candidates.items() if runs_under(s, style, choice.temperature == 0)}
+    allowed &= set(choice.measured or choice.predicted)
+    return choice.best(allowed) if allowed else choice.chosen

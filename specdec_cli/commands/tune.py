@@ -1,10 +1,11 @@
-"""`specdec tune`: the draft tokens per block that decode fastest at each batch size and temperature,
-predicted from short probes (bench/tuning.py), the best few run for real beside the target alone and
-the config as it is, and written as a config with `speculation.schedule` and as vLLM's
-`speculative_config`."""
+"""`specdec tune`: how blocks decode fastest at each batch size and temperature (draft tokens per block,
+a tree, the verification rule, the confidence threshold), predicted from short probes
+(bench/tuning.py), the best few run for real beside the target alone and the config as it is, and
+written as a config with `speculation.schedule` and as vLLM's `speculative_config`."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import statistics
@@ -19,12 +20,26 @@ from specdec_cli.bench.measure import BatchGenerate
 from specdec_cli.bench.plan import Mode, Plan
 from specdec_cli.bench.prompts import Prompt
 from specdec_cli.bench.report import Report, environment_caption, markdown_document, rich_table, temperature_label
-from specdec_cli.bench.run import run_batch, run_batches
+from specdec_cli.bench.run import MakeBatchGenerator, run_batch, run_batches
 from specdec_cli.bench.summary import summarize_batches
-from specdec_cli.bench.tuning import Choice, Probe, finalists, mean_accepted, predicted_speedup, schedule_ranges
-from specdec_cli.config import Config, Schedule, longest_block
+from specdec_cli.bench.tuning import (
+    ALONE,
+    OWN,
+    Choice,
+    Probe,
+    Setting,
+    finalists,
+    mean_accepted,
+    order,
+    predicted_speedup,
+    runs_under,
+    schedule_ranges,
+    written_setting,
+    written_style,
+)
+from specdec_cli.config import VERIFICATIONS, Config, Schedule, Speculation, longest_block, validate
 from specdec_cli.decoding.metrics import StepRecord
-from specdec_cli.decoding.params import BatchSchedule
+from specdec_cli.decoding.params import BatchSchedule, TreeShape
 from specdec_cli.errors import SpecdecError
 from specdec_cli.pair import Pair, load_pair
 
@@ -36,6 +51,7 @@ class Stopped(Exception):
 PROBE_TOKENS = 32  # new tokens per probe row: enough blocks to time, short enough to probe every size
 PROBED = ("new_tokens", "decode_seconds", "blocks", "steps")  # a probe's sums over its batches
 WARMUP_TOKENS = 8
+THRESHOLDS = (0.0, 0.2, 0.4)  # confidence thresholds tried where the draft stops when unsure
 
 
 @dataclass(frozen=True)
@@ -43,22 +59,46 @@ class TuneSettings:
     batch_sizes: list[int]
     temperatures: list[float]
     sample: int  # at least this many prompts in each batch size's probe
-    finalists: int  # predicted best lengths run for real, besides the target alone and the config's own
+    finalists: int  # predicted best candidates run for real, besides the target alone and the config's own
     budget_minutes: float | None
     plan: Plan  # max_new_tokens, repeats, seed, sampling settings of the runs for real
 
 
-def with_tokens(pair: Pair, tokens: int) -> Pair:
-    """The pair drafting at most `tokens` per block at every batch size (0: the target alone)."""
-    ranges = [[1, 1, tokens]]
-    speculation = dataclasses.replace(pair.config.speculation, schedule=Schedule(greedy=ranges, sampled=ranges))
-    return dataclasses.replace(pair, config=dataclasses.replace(pair.config, speculation=speculation))
+def styled(speculation: Speculation, style: Setting) -> Speculation:
+    """The config's speculation with what `style` changes: a tree, the rule, the threshold."""
+    threshold = speculation.confidence_threshold if style.threshold is None else style.threshold
+    return dataclasses.replace(
+        speculation,
+        tree=style.tree or speculation.tree,
+        verification=style.verification or speculation.verification,
+        confidence_threshold=threshold,
+        schedule=None if style.tree else speculation.schedule,
+    )
 
 
-def capped_generator(pair: Pair, mode: Mode, plan: Plan, max_new_tokens: int) -> BatchGenerate:
-    """A mode's batches with blocks of at most mode.num_draft_tokens drafts (run_batches' `make`)."""
-    decoder = with_tokens(pair, mode.num_draft_tokens).decoder(plan.params(mode.temperature), mode.num_draft_tokens > 0)
-    return lambda prompts, seed: decoder.generate_batch(prompts, max_new_tokens, seed, ignore_eos=plan.ignore_eos)
+def with_setting(pair: Pair, setting: Setting) -> Pair:
+    """The pair drafting `setting` at every batch size: a chain of at most setting.tokens per block (0:
+    the target alone) under its rule and threshold, or its tree."""
+    ranges = [[1, 1, setting.tokens]]
+    speculation = styled(pair.config.speculation, setting.style)
+    if setting.tree is None:
+        speculation = dataclasses.replace(speculation, schedule=Schedule(greedy=ranges, sampled=ranges))
+    drafter = pair.drafter
+    if setting.threshold is not None:  # the drafter reads its threshold; the models stay shared
+        drafter = copy.copy(drafter)
+        drafter.confidence_threshold = setting.threshold
+    return dataclasses.replace(pair, config=dataclasses.replace(pair.config, speculation=speculation), drafter=drafter)
+
+
+def setting_generator(pair: Pair, setting: Setting) -> MakeBatchGenerator:
+    """run_batches' `make` for `setting`: batches of it, `max_new_tokens` each."""
+    styled_pair = with_setting(pair, setting)
+
+    def make(pair: Pair, mode: Mode, plan: Plan, max_new_tokens: int) -> BatchGenerate:
+        decoder = styled_pair.decoder(plan.params(mode.temperature), setting.tokens > 0, tree=setting.tree)
+        return lambda prompts, seed: decoder.generate_batch(prompts, max_new_tokens, seed, ignore_eos=plan.ignore_eos)
+
+    return make
 
 
 def batch_of(prompts: list[Prompt], size: int) -> list[Prompt]:
@@ -66,23 +106,57 @@ def batch_of(prompts: list[Prompt], size: int) -> list[Prompt]:
     return (prompts * math.ceil(size / len(prompts)))[: max(size, len(prompts))]
 
 
-def probe(pair: Pair, prompts: list[Prompt], size: int, temperature: float, full: int, plan: Plan) -> Probe:
-    """`prompts` in batches of `size`, PROBE_TOKENS each, target alone and at every draft length up to
-    `full`, each length after a short unmeasured batch."""
+def mode_of(setting: Setting, temperature: float, cfg: Config) -> Mode:
+    rule = styled(cfg.speculation, setting.style).verification if setting.tokens and temperature > 0 else "token"
+    return Mode(temperature, setting.tokens, tree=setting.tree, verification=rule)
+
+
+def candidates(cfg: Config, pair: Pair) -> dict[str, Setting]:
+    """Every setting tune predicts: the config's own chain at every length up to its longest block (0:
+    the target alone), that chain under the other verification rule and under other confidence
+    thresholds (drafts that stop when unsure), and a draft tree where the drafter grows one."""
+    full = longest_block(cfg)
+    settings = [Setting(tokens) for tokens in range(full + 1)]
+    rule = cfg.speculation.verification
+    settings.append(Setting(full, verification=next(r for r in VERIFICATIONS if r != rule)))
+    if pair.drafter.stops_when_unsure:
+        own = cfg.speculation.confidence_threshold
+        settings += [Setting(full, threshold=t) for t in THRESHOLDS if t != own]
+    depth = max(3, cfg.speculation.num_draft_tokens)
+    tree = Setting(depth, tree=TreeShape(depth=depth, top_k=2, max_nodes=2 * depth))
+    try:
+        validate(dataclasses.replace(cfg, speculation=styled(cfg.speculation, tree.style)))
+        settings.append(tree)
+    except SpecdecError:  # a drafter whose trees cannot take that shape
+        pass
+    return {s.label: s for s in settings}
+
+
+def sampled_only(setting: Setting) -> bool:
+    """A rule of its own changes sampled chains only: greedy, it would rerun the config's chain."""
+    return setting.verification is not None
+
+
+def probe(
+    pair: Pair, prompts: list[Prompt], size: int, temperature: float, settings: list[Setting], plan: Plan
+) -> Probe:
+    """`prompts` in batches of `size`, PROBE_TOKENS each, with every setting, each after a short
+    unmeasured batch."""
     short = dataclasses.replace(plan, max_new_tokens=PROBE_TOKENS)
     batches = [prompts[start : start + size] for start in range(0, len(prompts), size)]
     runs = {}
-    for tokens in range(full + 1):
-        mode = Mode(temperature, tokens)
-        run_batch(pair, batches[0], capped_generator(pair, mode, short, WARMUP_TOKENS), short, plan.seed)
-        generate = capped_generator(pair, mode, short, PROBE_TOKENS)
+    for setting in settings:
+        make = setting_generator(pair, setting)
+        mode = Mode(temperature, setting.tokens)
+        run_batch(pair, batches[0], make(pair, mode, short, WARMUP_TOKENS), short, plan.seed)
+        generate = make(pair, mode, short, PROBE_TOKENS)
         done = [run_batch(pair, batch, generate, short, plan.seed) for batch in batches]
-        runs[tokens] = {key: sum(len(r[key]) if key == "steps" else r[key] for r in done) for key in PROBED}
+        runs[setting.label] = {key: sum(len(r[key]) if key == "steps" else r[key] for r in done) for key in PROBED}
     return Probe(
         batch_size=size,
-        alone_tokens_per_second=runs[0]["new_tokens"] / runs[0]["decode_seconds"],
-        block_seconds={g: r["decode_seconds"] / r["blocks"] for g, r in runs.items() if g},
-        rows_per_block={g: r["steps"] / r["blocks"] for g, r in runs.items() if g},
+        block_seconds={label: r["decode_seconds"] / r["blocks"] for label, r in runs.items()},
+        rows_per_block={label: r["steps"] / r["blocks"] for label, r in runs.items()},
+        tokens_per_second={label: r["new_tokens"] / r["decode_seconds"] for label, r in runs.items()},
     )
 
 
@@ -94,10 +168,11 @@ def probe_prompts(prompts: list[Prompt], size: int, sample: int) -> list[Prompt]
     return batch_of(spread, count)[:count]
 
 
-def config_tokens(cfg: Config, size: int, temperature: float) -> int:
+def config_label(cfg: Config, size: int, temperature: float) -> str:
     """What the config as it is drafts per block at this batch size."""
     schedule = cfg.batch_schedule(greedy=temperature == 0)
-    return longest_block(cfg) if schedule is None else min(schedule.tokens(size), longest_block(cfg))
+    full = longest_block(cfg)
+    return str(full if schedule is None else min(schedule.tokens(size), full))
 
 
 def check_tunable(cfg: Config) -> None:
@@ -110,11 +185,13 @@ def check_tunable(cfg: Config) -> None:
 
 def tune(cfg: Config, prompts: list[Prompt], settings: TuneSettings, run: records.Run) -> None:
     """Per temperature and batch size: the config's full drafting on every prompt (its acceptance, cut
-    short, predicts every shorter length's), a probe, then the predicted best lengths and the target alone."""
+    short, predicts every shorter length's), a probe of every candidate, then the predicted best few and
+    the target alone."""
     check_tunable(cfg)
     with display.stderr.status(f"Loading {cfg.target.describe()} and {cfg.draft.describe()}..."):
         pair = load_pair(cfg)
-    full, plan, started = longest_block(cfg), settings.plan, time.monotonic()
+    options = candidates(cfg, pair)
+    full, plan, started = Setting(longest_block(cfg)), settings.plan, time.monotonic()
     choices: dict[tuple[float, int], Choice] = {}
     probes: dict[tuple[float, int], Probe] = {}
     acceptance: dict[tuple[float, int], list[StepRecord]] = {}
@@ -123,18 +200,17 @@ def tune(cfg: Config, prompts: list[Prompt], settings: TuneSettings, run: record
         keys = [(t, size) for t in settings.temperatures for size in settings.batch_sizes]
         task = bar.add_task("tune", total=len(keys) * (3 + settings.finalists))
 
-        def measure(size: int, temperature: float, tokens: int, budgeted: bool = True) -> list[dict]:
-            """Run one length on every prompt: its batches' runs. Stopped once the budget is spent (the
+        def measure(size: int, temperature: float, setting: Setting, budgeted: bool = True) -> list[dict]:
+            """Run one setting on every prompt: its batches' runs. Stopped once the budget is spent (the
             run that predicts is not `budgeted`) or on Ctrl-C."""
             if budgeted and budget_spent(started, settings.budget_minutes):
                 raise Stopped
-            rule = cfg.speculation.verification if tokens and temperature > 0 else "token"
-            mode = Mode(temperature, tokens, verification=rule)
-            bar.update(task, description=f"batch size {size}: {mode.label}")
+            mode = mode_of(setting, temperature, cfg)
+            bar.update(task, description=f"batch size {size}: {mode.label}, {setting.label}")
             done, stopped = run_batches(
-                pair, batch_of(prompts, size), plan, batched=[(size, mode)], make=capped_generator
+                pair, batch_of(prompts, size), plan, batched=[(size, mode)], make=setting_generator(pair, setting)
             )
-            batch_runs.extend(done)
+            batch_runs.extend(r | {"setting": setting.label} for r in done)
             bar.advance(task)
             if stopped:
                 raise Stopped
@@ -147,38 +223,52 @@ def tune(cfg: Config, prompts: list[Prompt], settings: TuneSettings, run: record
                 steps = [StepRecord(*s) for r in full_runs for rep in r["repeats"] for s in rep["steps"]]
                 acceptance[key] = steps
                 bar.update(task, description=f"probe: batch size {size}, {temperature_label(temperature)}")
-                probes[key] = probe(pair, probe_prompts(prompts, size, settings.sample), size, temperature, full, plan)
+                here = [s for s in options.values() if temperature > 0 or not sampled_only(s)]
+                probes[key] = probe(pair, probe_prompts(prompts, size, settings.sample), size, temperature, here, plan)
                 bar.advance(task)
-                predicted = {g: predicted_speedup(probes[key], g, steps) for g in range(full + 1)}
-                choices[key] = Choice(size, temperature, predicted, {}, {}, config_tokens(cfg, size, temperature))
-                for g in finalists(predicted, {full, choices[key].config_tokens}, settings.finalists):
-                    if g != full:  # that one ran first
-                        measure(size, temperature, g)
+                predicted = {s.label: predicted_speedup(probes[key], s, steps) for s in here}
+                choices[key] = Choice(size, temperature, predicted, {}, {}, config_label(cfg, size, temperature))
+                for label in finalists(predicted, {full.label, choices[key].config_label}, settings.finalists):
+                    if label != full.label:  # that one ran first
+                        measure(size, temperature, options[label])
             partial = False
         except (KeyboardInterrupt, Stopped):
             partial = True
-    rows = summarize_batches([], batch_runs)
     for key, choice in choices.items():
-        measured = [r for r in rows if (r["temperature"], r["batch_size"]) == key]
-        choice.measured = {r["num_draft_tokens"]: r["speedup"][0] for r in measured} | ({0: 1.0} if measured else {})
-        choice.accepted_length = {r["num_draft_tokens"]: r["mean_accepted_length"] for r in measured}
-    finish(cfg, pair, settings, choices, probes, acceptance, batch_runs, partial, run)
+        measured = [r for r in batch_runs if (r["temperature"], r["batch_size"]) == key]
+        for label in {r["setting"] for r in measured} - {ALONE}:
+            # one setting at a time beside the target alone: settings that differ only in threshold
+            # would share a summary's group
+            row = summarize_batches([], [r for r in measured if r["setting"] in (ALONE, label)])
+            if row:
+                choice.measured[label] = row[0]["speedup"][0]
+                choice.accepted_length[label] = row[0]["mean_accepted_length"]
+        if choice.measured:
+            choice.measured[ALONE] = 1.0
+    finish(cfg, pair, settings, options, choices, probes, acceptance, batch_runs, partial, run)
 
 
 def budget_spent(started: float, budget_minutes: float | None) -> bool:
     return budget_minutes is not None and time.monotonic() - started > 60 * budget_minutes
 
 
-def tuned_schedule(choices: dict[tuple[float, int], Choice], before: Schedule | None) -> Schedule:
-    """Greedy ranges from the greedy choices; sampled ones from the length measured best on average over
-    the sampled temperatures (one schedule serves them all); the config's own (`before`) where none was
-    tuned."""
-    greedy = {size: c.chosen for (t, size), c in choices.items() if t == 0}
+def tuned_schedule(
+    choices: dict[tuple[float, int], Choice], style: Setting, options: dict[str, Setting], before: Schedule | None
+) -> Schedule | None:
+    """Under the written style (a tree: no schedule), greedy ranges from each greedy batch size's best
+    setting; sampled ones from the setting measured best on average over the sampled temperatures (one
+    schedule serves them all); the config's own (`before`) where none was tuned."""
+    if style.tree is not None:
+        return None
+    greedy = {size: options[written_setting(c, style, options)].tokens for (t, size), c in choices.items() if t == 0}
     sampled: dict[int, int] = {}
     for size in sorted({size for (t, size) in choices if t > 0}):
-        tables = [c.measured or c.predicted for (t, s), c in choices.items() if t > 0 and s == size]
+        cells = [c for (t, s), c in choices.items() if t > 0 and s == size]
+        tables = [c.measured or c.predicted for c in cells]
         common = set.intersection(*(set(table) for table in tables))
-        sampled[size] = max(sorted(common), key=lambda g: statistics.fmean(table[g] for table in tables))
+        runs = sorted((label for label in common if runs_under(options[label], style, greedy=False)), key=order)
+        best = max(runs, key=lambda label: statistics.fmean(table[label] for table in tables))
+        sampled[size] = options[best].tokens
     before = before or Schedule()
     return Schedule(
         greedy=schedule_ranges(greedy) if greedy else before.greedy,
@@ -186,18 +276,21 @@ def tuned_schedule(choices: dict[tuple[float, int], Choice], before: Schedule | 
     )
 
 
-def tuned_config(cfg: Config, schedule: Schedule) -> str:
-    """The config as it ran (flags applied, checkpoints resolved), with the schedule: YAML specdec reads."""
-    data = cfg.to_dict()
+def tuned_config(cfg: Config, style: Setting, schedule: Schedule | None) -> str:
+    """The config as it ran (flags applied, checkpoints resolved) in the written style, with the schedule:
+    YAML specdec reads."""
+    data = dataclasses.replace(cfg, speculation=styled(cfg.speculation, style)).to_dict()
     data.pop("source")
-    data["speculation"]["schedule"] = dataclasses.asdict(schedule)
+    data["speculation"]["schedule"] = dataclasses.asdict(schedule) if schedule else None
     return f"# written by `specdec tune` from {cfg.source}\n" + yaml.safe_dump(data, sort_keys=False)
 
 
-def vllm_configs(cfg: Config, schedule: Schedule) -> tuple[dict[str, dict], str | None]:
+def vllm_configs(cfg: Config, style: Setting, schedule: Schedule | None) -> tuple[dict[str, dict], str | None]:
     """vLLM's speculative_config per schedule (greedy, sampled; one when they agree), or why vLLM has none."""
     from specdec_cli.vllm_engine.settings import speculative_config
 
+    if schedule is None or styled(cfg.speculation, style).verification != "token":
+        return {}, "vLLM drafts chains verified token by token, and the tuned config drafts a tree or a block rule"
     kinds = {kind: ranges for kind, ranges in dataclasses.asdict(schedule).items() if ranges is not None}
     if len(kinds) == 2 and schedule.greedy == schedule.sampled:
         kinds = {"all": schedule.greedy}
@@ -210,10 +303,12 @@ def vllm_configs(cfg: Config, schedule: Schedule) -> tuple[dict[str, dict], str 
         return {}, str(exc)
 
 
-def finish(cfg, pair, settings, choices, probes, acceptance, batch_runs, partial, run: records.Run) -> None:
-    schedule = tuned_schedule(choices, cfg.speculation.schedule)
-    vllm, no_vllm = vllm_configs(cfg, schedule)
-    table = tune_table(choices)
+def finish(cfg, pair, settings, options, choices, probes, acceptance, batch_runs, partial, run: records.Run) -> None:
+    style = written_style(list(choices.values()), options)
+    written = {key: written_setting(c, style, options) for key, c in choices.items()}
+    schedule = tuned_schedule(choices, style, options, cfg.speculation.schedule)
+    vllm, no_vllm = vllm_configs(cfg, style, schedule)
+    table = tune_table(choices, written)
     record = {
         **records.header("tune", cfg, pair.describe()),
         "partial": partial,
@@ -227,8 +322,13 @@ def finish(cfg, pair, settings, choices, probes, acceptance, batch_runs, partial
             "max_new_tokens": settings.plan.max_new_tokens,
             "repeats": settings.plan.repeats,
         },
-        "choices": [dataclasses.asdict(c) | {"chosen": c.chosen} for c in choices.values()],
-        "schedule": dataclasses.asdict(schedule),
+        "candidates": list(options),
+        # what tuned.yaml changes besides the schedule (null: the config's tree, rule and threshold)
+        "style": None if style == OWN else style.label,
+        "choices": [
+            dataclasses.asdict(c) | {"chosen": c.chosen, "written": written[key]} for key, c in choices.items()
+        ],
+        "schedule": dataclasses.asdict(schedule) if schedule else None,
         "vllm_speculative_config": vllm,
         "vllm_unavailable": no_vllm,
         # per temperature and batch size, the full drafting's blocks, which predict every length
@@ -241,27 +341,18 @@ def finish(cfg, pair, settings, choices, probes, acceptance, batch_runs, partial
             }
             for (t, size), steps in acceptance.items()
         ],
-        "probes": [
-            {
-                "temperature": t,
-                "batch_size": size,
-                "alone_tokens_per_second": p.alone_tokens_per_second,
-                "block_seconds": p.block_seconds,
-                "rows_per_block": p.rows_per_block,
-            }
-            for (t, size), p in probes.items()
-        ],
+        "probes": [{"temperature": t, "batch_size": size} | dataclasses.asdict(p) for (t, size), p in probes.items()],
         "batch_runs": batch_runs,
     }
-    files = {"tuned.yaml": tuned_config(cfg, schedule)}
+    files = {"tuned.yaml": tuned_config(cfg, style, schedule)}
     files |= {f"vllm-speculative-config-{kind}.json": records.dumps(c) + "\n" for kind, c in vllm.items()}
     chart_files = charts.draw_tuning(record) if run.recording and choices else {}
-    tables = [table, schedule_report(schedule)]
+    tables = [table, schedule_report(style, schedule)]
     files |= chart_files | {"report.md": markdown_document(record, tables, list(chart_files))}
 
     def show() -> None:
-        display.stdout.print(rich_table(table))
-        display.stdout.print(rich_table(schedule_report(schedule)))
+        for report in tables:
+            display.stdout.print(rich_table(report))
         if no_vllm:
             display.stdout.print(f"No vLLM speculative_config: {no_vllm}")
         display.stdout.print(environment_caption(record["environment"]))
@@ -271,36 +362,49 @@ def finish(cfg, pair, settings, choices, probes, acceptance, batch_runs, partial
         display.stderr.print("Stopped early: the choices hold what was measured (partial: true).")
 
 
-def tune_table(choices: dict[tuple[float, int], Choice]) -> Report:
-    """Batch size x temperature: the chosen draft tokens, predicted and measured speedup, the config's."""
+def shown(label: str) -> str:
+    return "off" if label == ALONE else label
+
+
+def tune_table(choices: dict[tuple[float, int], Choice], written: dict[tuple[float, int], str]) -> Report:
+    """Batch size x temperature: the setting tuned.yaml runs, its predicted and measured speedup, the
+    config's, and the measured best of all where tuned.yaml could not take it."""
     rows = []
-    for (temperature, size), c in sorted(choices.items()):
-        chosen = c.chosen
+    for key, c in sorted(choices.items()):
+        temperature, size = key
+        label = written[key]
         rows.append(
             [
                 str(size),
                 temperature_label(temperature),
-                "off" if chosen == 0 else str(chosen),
-                f"{c.predicted[chosen]:.2f}x",
-                f"{c.measured[chosen]:.2f}x" if chosen in c.measured else "n/a",
-                f"{c.measured[c.config_tokens]:.2f}x" if c.config_tokens in c.measured else "n/a",
-                f"{c.accepted_length[chosen]:.2f}" if c.accepted_length.get(chosen) else "n/a",
+                shown(label),
+                f"{c.predicted[label]:.2f}x",
+                f"{c.measured[label]:.2f}x" if label in c.measured else "n/a",
+                f"{c.measured[c.config_label]:.2f}x" if c.config_label in c.measured else "n/a",
+                f"{c.accepted_length[label]:.2f}" if c.accepted_length.get(label) else "n/a",
+                ""
+                if c.chosen == label
+                else f"{shown(c.chosen)}: {c.measured.get(c.chosen, c.predicted[c.chosen]):.2f}x",
             ]
         )
     return Report(
-        "Draft tokens per block by batch size (speedup over the target alone at that batch size)",
-        ["batch size", "temperature", "draft tokens", "predicted", "measured", "config's own", "acc len"],
+        "Speculation by batch size (speedup over the target alone at that batch size)",
+        ["batch size", "temperature", "tuned", "predicted", "measured", "config's own", "acc len", "best of all"],
         rows,
-        "predicted: from the probes; measured: all prompts, this run; config's own: its drafting unchanged",
+        "tuned: draft tokens (or tree, rule, threshold) tuned.yaml runs; predicted: from the probes; measured: all "
+        "prompts, this run; config's own: its drafting unchanged; best of all: where one config could not run it "
+        "at every batch size",
     )
 
 
-def schedule_report(schedule: Schedule) -> Report:
-    """The schedule tune wrote, as ranges of batch sizes."""
-    rows = [
-        [kind, BatchSchedule.parse(ranges).describe()]
-        for kind, ranges in (("greedy", schedule.greedy), ("sampled", schedule.sampled))
-        if ranges is not None
-    ]
-    title = "speculation.schedule (tuned.yaml): draft tokens by batch size"
+def schedule_report(style: Setting, schedule: Schedule | None) -> Report:
+    """What tune wrote: the style, and the schedule as ranges of batch sizes."""
+    rows = [["style", "the config's own" if style == OWN else style.label]]
+    if schedule is not None:
+        rows += [
+            [kind, BatchSchedule.parse(ranges).describe()]
+            for kind, ranges in (("greedy", schedule.greedy), ("sampled", schedule.sampled))
+            if ranges is not None
+        ]
+    title = "tuned.yaml: speculation and draft tokens by batch size"
     return Report(title, ["decoding", "batch sizes: draft tokens"], rows)
