@@ -242,8 +242,9 @@ def test_a_setting_decodes_with_its_own_threshold_and_tree_and_leaves_the_pair_a
     assert max(s.drafted for r in rows for s in r.steps) <= 1
     assert pair.drafter.confidence_threshold == 0.0
     assert max(s.drafted for r in pair.decoder(SamplingParams()).generate_batch(prompts, 12, 0) for s in r.steps) == 3
-    tree = with_setting(pair, TREE)
-    rows = tree.decoder(SamplingParams(), tree=TREE.tree).generate_batch(prompts, 12, 0)
+    tree = with_setting(pair, TREE).decoder(SamplingParams())  # the setting's config drafts the tree
+    assert tree.tree == TREE.tree
+    rows = tree.generate_batch(prompts, 12, 0)
     assert [r.token_ids for r in rows] == alone
 
 

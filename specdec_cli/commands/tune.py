@@ -28,6 +28,7 @@ from specdec_cli.bench.tuning import (
     Choice,
     Probe,
     Setting,
+    changes,
     finalists,
     mean_accepted,
     order,
@@ -132,11 +133,6 @@ def candidates(cfg: Config, pair: Pair) -> dict[str, Setting]:
     return {s.label: s for s in settings}
 
 
-def sampled_only(setting: Setting) -> bool:
-    """A rule of its own changes sampled chains only: greedy, it would rerun the config's chain."""
-    return setting.verification is not None
-
-
 def probe(
     pair: Pair, prompts: list[Prompt], size: int, temperature: float, settings: list[Setting], plan: Plan
 ) -> Probe:
@@ -223,7 +219,8 @@ def tune(cfg: Config, prompts: list[Prompt], settings: TuneSettings, run: record
                 steps = [StepRecord(*s) for r in full_runs for rep in r["repeats"] for s in rep["steps"]]
                 acceptance[key] = steps
                 bar.update(task, description=f"probe: batch size {size}, {temperature_label(temperature)}")
-                here = [s for s in options.values() if temperature > 0 or not sampled_only(s)]
+                # a rule alone changes sampled chains only: greedy, it would rerun the config's chain
+                here = [s for s in options.values() if s.cut or changes(s.style, greedy=temperature == 0)]
                 probes[key] = probe(pair, probe_prompts(prompts, size, settings.sample), size, temperature, here, plan)
                 bar.advance(task)
                 predicted = {s.label: predicted_speedup(probes[key], s, steps) for s in here}
