@@ -326,13 +326,17 @@ def tune(
     budget_minutes: Annotated[
         Optional[float],
         typer.Option(
-            help="Stop starting finalists after this long (the runs that predict always run); keep what was measured."
+            help="Stop starting a batch size's finalists after this long (the runs that predict always run); "
+            "keep what was measured."
         ),
     ] = None,
     max_new_tokens: MaxNewOpt = None,
     ignore_eos: IgnoreEosOpt = None,
     seed: SeedOpt = None,
-    repeats: Annotated[int, typer.Option(min=1, help="Runs of each finalist; the median counts.")] = 1,
+    repeats: Annotated[
+        int,
+        typer.Option(min=1, help="Runs of each batch per finalist, taken in turns with the others; the median counts."),
+    ] = 1,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     threads: ThreadsOpt = None,

@@ -3,12 +3,16 @@ the tiny pair (the choices it prints are the ones it measured, the config it wri
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import yaml
 from typer.testing import CliRunner
 
+from specdec_cli.bench.plan import Mode, make_plan
+from specdec_cli.bench.prompts import Prompt
+from specdec_cli.bench.run import MakeBatchGenerator, batch_generator, run_rounds
 from specdec_cli.bench.tuning import (
     OWN,
     Choice,
@@ -142,11 +146,23 @@ def test_tune_keeps_the_measured_best_at_every_batch_size_and_temperature(tuned)
         assert choice["written"] in measured
     # the acceptance that predicts is the full drafting's on every prompt at that batch size
     assert {(a["temperature"], a["batch_size"]) for a in record["acceptance"]} == {(0, 1), (0, 2), (1, 1), (1, 2)}
-    for seen in record["acceptance"]:
+    assert {r["setting"] for r in record["acceptance_runs"]} == {"3"}
+    for choice in record["choices"]:  # the finalists ran round by round on the same batches, as often
         runs = [
             r
             for r in record["batch_runs"]
-            if (r["batch_size"], r["setting"], r["temperature"]) == (seen["batch_size"], "3", seen["temperature"])
+            if (r["batch_size"], r["temperature"]) == (choice["batch_size"], choice["temperature"])
+        ]
+        by_setting = {
+            label: [(r["prompt_ids"], len(r["repeats"])) for r in runs if r["setting"] == label]
+            for label in choice["measured"]
+        }
+        assert len(set(map(str, by_setting.values()))) == 1
+    for seen in record["acceptance"]:
+        runs = [
+            r
+            for r in record["acceptance_runs"]
+            if (r["batch_size"], r["temperature"]) == (seen["batch_size"], seen["temperature"])
         ]
         assert len({p for r in runs for p in r["prompt_ids"]}) == 3
         full = [s for r in runs for rep in r["repeats"] for s in rep["steps"]]
@@ -204,7 +220,8 @@ def test_a_spent_budget_keeps_the_predictions(write_config, prompts):
     """The full drafting's run and the probes always run (they predict); the budget stops the finalists."""
     record = greedy_tune(write_config(), prompts, "--budget-minutes", "0")
     assert record["partial"]
-    assert {(r["batch_size"], r["num_draft_tokens"]) for r in record["batch_runs"]} == {(1, 3)}
+    assert {(r["batch_size"], r["num_draft_tokens"]) for r in record["acceptance_runs"]} == {(1, 3)}
+    assert record["batch_runs"] == []
     for choice in record["choices"]:
         assert choice["measured"] == {}  # the target alone never ran: nothing to set the full drafting against
         predicted = choice["predicted"]
@@ -261,3 +278,39 @@ def test_the_written_style_goes_into_tuned_yaml(write_config):
         0.4,
         schedule,
     )
+
+
+def test_rounds_run_every_entry_batch_by_batch_repeat_by_repeat(write_config, prompts):
+    """run_rounds takes the entries in turn within each repeat of each batch, after one warm-up each."""
+    pair = load_pair(load_config(str(write_config())))
+    plan = make_plan(pair.config, None, [0.0], 2, 1, None, [2])
+    plan = dataclasses.replace(plan, max_new_tokens=6)
+    calls = []
+
+    def logged(name: str) -> MakeBatchGenerator:
+        def make(pair, mode, plan, max_new_tokens):
+            generate = batch_generator(pair, mode, plan, max_new_tokens)
+
+            def run(encoded, seed):
+                calls.append((name, len(encoded), max_new_tokens))
+                return generate(encoded, seed)
+
+            return run
+
+        return make
+
+    entries = [(Mode(0.0, 0), logged("alone")), (Mode(0.0, 3), logged("speculative"))]
+    three = [Prompt(str(i), "test", [text]) for i, text in enumerate(("Hello there", "Once upon a time", "Count"))]
+    starts = []
+    (alone, speculative), partial = run_rounds(pair, three, plan, 2, entries, starts.append)
+    assert not partial and starts == [0, 2]
+    warm = [("alone", 2, 6), ("speculative", 2, 6)]  # the warm-up is as short as WARMUP_TOKENS or the plan
+    rounds = [[("alone", rows, 6), ("speculative", rows, 6)] * 2 for rows in (2, 1)]  # 2 repeats of each batch
+    assert calls == warm + rounds[0] + rounds[1]
+    for runs, drafted in ((alone, 0), (speculative, 3)):
+        assert [(r["prompt_ids"], r["num_draft_tokens"], len(r["repeats"])) for r in runs] == [
+            (["0", "1"], drafted, 2),
+            (["2"], drafted, 2),
+        ]
+    greedy = [rep["token_ids"] for r in alone for rep in r["repeats"]]
+    assert greedy == [rep["token_ids"] for r in speculative for rep in r["repeats"]]

@@ -178,27 +178,66 @@ def run_batches(
     try:
         for size, mode in plan.batch_modes() if batched is None else batched:
             generate = make(pair, mode, plan, plan.max_new_tokens)
-            warm = make(pair, mode, plan, min(WARMUP_TOKENS, plan.max_new_tokens))
-            for _ in range(plan.warmup):
-                run_batch(pair, [Prompt(p.id, p.category, p.turns[:1]) for p in prompts[:size]], warm, plan, plan.seed)
+            warm_up(pair, prompts[:size], make(pair, mode, plan, min(WARMUP_TOKENS, plan.max_new_tokens)), plan)
             for start in range(0, len(prompts), size):
                 if on_batch:
                     on_batch(size, mode, start, len(prompts))
                 group = prompts[start : start + size]
-                runs.append(
-                    {
-                        "batch_size": size,
-                        "temperature": mode.temperature,
-                        "num_draft_tokens": mode.num_draft_tokens,
-                        "tree": mode.tree.spec if mode.tree else None,
-                        "verification": mode.verification,
-                        "engine": mode.engine,
-                        "prompt_ids": [p.id for p in group],
-                        "repeats": [
-                            run_batch(pair, group, generate, plan, plan.seed + start) for _ in range(plan.repeats)
-                        ],
-                    }
-                )
+                repeats = [run_batch(pair, group, generate, plan, plan.seed + start) for _ in range(plan.repeats)]
+                runs.append(batch_record(size, mode, group, repeats))
     except KeyboardInterrupt:
         return runs, True
     return runs, False
+
+
+def run_rounds(
+    pair: Pair,
+    prompts: list[Prompt],
+    plan: Plan,
+    size: int,
+    entries: list[tuple[Mode, MakeBatchGenerator]],
+    on_batch: Callable[[int], None] | None = None,
+) -> tuple[list[list[dict]], bool]:
+    """Each entry's batches of `size`, round by round: for each batch, repeat after repeat, every entry in
+    turn, so that a machine whose speed drifts moves them alike (the summary sets repeat i of one against
+    repeat i of another). After a short warm-up batch per entry; `on_batch` hears each batch's first
+    prompt's index. Returns (each entry's runs, partial): Ctrl-C stops early, keeping the batches every
+    entry finished."""
+    runs: list[list[dict]] = [[] for _ in entries]
+    try:
+        generators = []
+        for mode, make in entries:
+            warm_up(pair, prompts[:size], make(pair, mode, plan, min(WARMUP_TOKENS, plan.max_new_tokens)), plan)
+            generators.append(make(pair, mode, plan, plan.max_new_tokens))
+        for start in range(0, len(prompts), size):
+            if on_batch:
+                on_batch(start)
+            group = prompts[start : start + size]
+            repeats: list[list[dict]] = [[] for _ in entries]
+            for _ in range(plan.repeats):
+                for done, generate in zip(repeats, generators):
+                    done.append(run_batch(pair, group, generate, plan, plan.seed + start))
+            for entry_runs, (mode, _), done in zip(runs, entries, repeats):
+                entry_runs.append(batch_record(size, mode, group, done))
+    except KeyboardInterrupt:
+        return runs, True
+    return runs, False
+
+
+def warm_up(pair: Pair, prompts: list[Prompt], generate: BatchGenerate, plan: Plan) -> None:
+    """The plan's unmeasured warm-up batches: the prompts' first turns, short."""
+    for _ in range(plan.warmup):
+        run_batch(pair, [Prompt(p.id, p.category, p.turns[:1]) for p in prompts], generate, plan, plan.seed)
+
+
+def batch_record(size: int, mode: Mode, group: list[Prompt], repeats: list[dict]) -> dict:
+    return {
+        "batch_size": size,
+        "temperature": mode.temperature,
+        "num_draft_tokens": mode.num_draft_tokens,
+        "tree": mode.tree.spec if mode.tree else None,
+        "verification": mode.verification,
+        "engine": mode.engine,
+        "prompt_ids": [p.id for p in group],
+        "repeats": repeats,
+    }

@@ -20,7 +20,7 @@ from specdec_cli.bench.measure import BatchGenerate
 from specdec_cli.bench.plan import Mode, Plan
 from specdec_cli.bench.prompts import Prompt
 from specdec_cli.bench.report import Report, environment_caption, markdown_document, rich_table, temperature_label
-from specdec_cli.bench.run import MakeBatchGenerator, run_batch, run_batches
+from specdec_cli.bench.run import MakeBatchGenerator, run_batch, run_batches, run_rounds
 from specdec_cli.bench.summary import summarize_batches
 from specdec_cli.bench.tuning import (
     ALONE,
@@ -191,33 +191,53 @@ def tune(cfg: Config, prompts: list[Prompt], settings: TuneSettings, run: record
     choices: dict[tuple[float, int], Choice] = {}
     probes: dict[tuple[float, int], Probe] = {}
     acceptance: dict[tuple[float, int], list[StepRecord]] = {}
-    batch_runs: list[dict] = []
+    acceptance_runs: list[dict] = []  # the full drafting's, which predict
+    batch_runs: list[dict] = []  # the finalists', which are measured
     with display.progress() as bar:
         keys = [(t, size) for t in settings.temperatures for size in settings.batch_sizes]
-        task = bar.add_task("tune", total=len(keys) * (3 + settings.finalists))
+        rounds = {size: math.ceil(len(batch_of(prompts, size)) / size) for size in settings.batch_sizes}
+        task = bar.add_task("tune", total=sum(2 + rounds[size] for _, size in keys))
 
-        def measure(size: int, temperature: float, setting: Setting, budgeted: bool = True) -> list[dict]:
-            """Run one setting on every prompt: its batches' runs. Stopped once the budget is spent (the
-            run that predicts is not `budgeted`) or on Ctrl-C."""
-            if budgeted and budget_spent(started, settings.budget_minutes):
-                raise Stopped
-            mode = mode_of(setting, temperature, cfg)
-            bar.update(task, description=f"batch size {size}: {mode.label}, {setting.label}")
+        def predicting_run(size: int, temperature: float) -> list[StepRecord]:
+            """The config's full drafting on every prompt: its blocks, whose acceptance predicts every length."""
+            bar.update(task, description=f"batch size {size}, {temperature_label(temperature)}: acceptance")
             done, stopped = run_batches(
-                pair, batch_of(prompts, size), plan, batched=[(size, mode)], make=setting_generator(pair, setting)
+                pair,
+                batch_of(prompts, size),
+                plan,
+                batched=[(size, mode_of(full, temperature, cfg))],
+                make=setting_generator(pair, full),
             )
-            batch_runs.extend(r | {"setting": setting.label} for r in done)
+            acceptance_runs.extend(r | {"setting": full.label} for r in done)
             bar.advance(task)
             if stopped:
                 raise Stopped
-            return done
+            return [StepRecord(*s) for r in done for rep in r["repeats"] for s in rep["steps"]]
+
+        def measure(size: int, temperature: float, labels: list[str]) -> None:
+            """The finalists round by round, batch by batch, so the machine's drift moves them alike. Not
+            started once the budget is spent; stopped on Ctrl-C."""
+            if budget_spent(started, settings.budget_minutes):
+                raise Stopped
+            description = f"batch size {size}, {temperature_label(temperature)}: " + ", ".join(map(shown, labels))
+
+            def on_batch(start: int) -> None:
+                bar.update(task, description=description, advance=start > 0)
+
+            entries = [
+                (mode_of(options[label], temperature, cfg), setting_generator(pair, options[label])) for label in labels
+            ]
+            done, stopped = run_rounds(pair, batch_of(prompts, size), plan, size, entries, on_batch)
+            for label, runs in zip(labels, done):
+                batch_runs.extend(r | {"setting": label} for r in runs)
+            bar.advance(task)
+            if stopped:
+                raise Stopped
 
         try:
             for key in keys:
                 temperature, size = key
-                full_runs = measure(size, temperature, full, budgeted=False)
-                steps = [StepRecord(*s) for r in full_runs for rep in r["repeats"] for s in rep["steps"]]
-                acceptance[key] = steps
+                steps = acceptance[key] = predicting_run(size, temperature)
                 bar.update(task, description=f"probe: batch size {size}, {temperature_label(temperature)}")
                 # a rule alone changes sampled chains only: greedy, it would rerun the config's chain
                 here = [s for s in options.values() if s.cut or changes(s.style, greedy=temperature == 0)]
@@ -225,9 +245,9 @@ def tune(cfg: Config, prompts: list[Prompt], settings: TuneSettings, run: record
                 bar.advance(task)
                 predicted = {s.label: predicted_speedup(probes[key], s, steps) for s in here}
                 choices[key] = Choice(size, temperature, predicted, {}, {}, config_label(cfg, size, temperature))
-                for label in finalists(predicted, {full.label, choices[key].config_label}, settings.finalists):
-                    if label != full.label:  # that one ran first
-                        measure(size, temperature, options[label])
+                measure(
+                    size, temperature, finalists(predicted, {full.label, choices[key].config_label}, settings.finalists)
+                )
             partial = False
         except (KeyboardInterrupt, Stopped):
             partial = True
@@ -242,7 +262,7 @@ def tune(cfg: Config, prompts: list[Prompt], settings: TuneSettings, run: record
                 choice.accepted_length[label] = row[0]["mean_accepted_length"]
         if choice.measured:
             choice.measured[ALONE] = 1.0
-    finish(cfg, pair, settings, options, choices, probes, acceptance, batch_runs, partial, run)
+    finish(cfg, pair, settings, options, choices, probes, acceptance, acceptance_runs, batch_runs, partial, run)
 
 
 def budget_spent(started: float, budget_minutes: float | None) -> bool:
@@ -300,7 +320,9 @@ def vllm_configs(cfg: Config, style: Setting, schedule: Schedule | None) -> tupl
         return {}, str(exc)
 
 
-def finish(cfg, pair, settings, options, choices, probes, acceptance, batch_runs, partial, run: records.Run) -> None:
+def finish(
+    cfg, pair, settings, options, choices, probes, acceptance, acceptance_runs, batch_runs, partial, run: records.Run
+) -> None:
     style = written_style(list(choices.values()), options)
     written = {key: written_setting(c, style, options) for key, c in choices.items()}
     schedule = tuned_schedule(choices, style, options, cfg.speculation.schedule)
@@ -339,6 +361,7 @@ def finish(cfg, pair, settings, options, choices, probes, acceptance, batch_runs
             for (t, size), steps in acceptance.items()
         ],
         "probes": [{"temperature": t, "batch_size": size} | dataclasses.asdict(p) for (t, size), p in probes.items()],
+        "acceptance_runs": acceptance_runs,
         "batch_runs": batch_runs,
     }
     files = {"tuned.yaml": tuned_config(cfg, style, schedule)}
