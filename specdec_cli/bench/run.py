@@ -175,18 +175,16 @@ def run_batches(
     times each, after a short warm-up batch per mode. Returns (runs, partial): Ctrl-C stops early, and
     the summary compares only batches measured in both modes."""
     runs: list[dict] = []
-    try:
-        for size, mode in plan.batch_modes() if batched is None else batched:
-            generate = make(pair, mode, plan, plan.max_new_tokens)
-            warm_up(pair, prompts[:size], make(pair, mode, plan, min(WARMUP_TOKENS, plan.max_new_tokens)), plan)
-            for start in range(0, len(prompts), size):
-                if on_batch:
-                    on_batch(size, mode, start, len(prompts))
-                group = prompts[start : start + size]
-                repeats = [run_batch(pair, group, generate, plan, plan.seed + start) for _ in range(plan.repeats)]
-                runs.append(batch_record(size, mode, group, repeats))
-    except KeyboardInterrupt:
-        return runs, True
+    for size, mode in plan.batch_modes() if batched is None else batched:
+
+        def heard(start: int, size: int = size, mode: Mode = mode) -> None:
+            if on_batch:
+                on_batch(size, mode, start, len(prompts))
+
+        (done,), partial = run_rounds(pair, prompts, plan, size, [(mode, make)], heard)
+        runs += done
+        if partial:
+            return runs, True
     return runs, False
 
 
