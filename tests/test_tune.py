@@ -19,7 +19,8 @@ from specdec_cli.bench.tuning import (
     Probe,
     Setting,
     finalists,
-    predicted_speedup,
+    predicted_speedups,
+    probed_speedup,
     schedule_ranges,
     written_setting,
     written_style,
@@ -67,7 +68,8 @@ def test_the_measured_best_is_chosen_over_the_predicted():
 
 def test_the_prediction_of_shorter_blocks_worked_by_hand():
     """Blocks of the full length 2 accepted 2, 1, 0 and 2 drafts: cut to 1 draft, they keep 1, 1, 0, 1. A
-    setting that is more than a length is predicted by its probe's tokens/s."""
+    setting that is more than a length is probed by its tokens/s. Every prediction but the target alone's
+    is then scaled by the full drafting's measured speedup over its probed one."""
     steps = [StepRecord(2, a, a + 1, draft_seconds=0.1, verify_seconds=0.3) for a in (2, 1, 0, 2)]
     probe = Probe(
         2,
@@ -75,10 +77,18 @@ def test_the_prediction_of_shorter_blocks_worked_by_hand():
         rows_per_block={"1": 2.0, "2": 1.5},
         tokens_per_second={"0": 10.0, "2 threshold 0.4": 13.0},
     )
-    assert predicted_speedup(probe, Setting(2), steps) == pytest.approx(1.5 * (1 + 5 / 4) / 0.4 / 10.0)
-    assert predicted_speedup(probe, Setting(1), steps) == pytest.approx(2.0 * (1 + 3 / 4) / 0.25 / 10.0)
-    assert predicted_speedup(probe, Setting(0), steps) == 1.0
-    assert predicted_speedup(probe, Setting(2, threshold=0.4), steps) == pytest.approx(1.3)
+    probed = {
+        "2": 1.5 * (1 + 5 / 4) / 0.4 / 10.0,
+        "1": 2.0 * (1 + 3 / 4) / 0.25 / 10.0,
+        "0": 1.0,
+        "2 threshold 0.4": 1.3,
+    }
+    settings = [Setting(2), Setting(1), Setting(0), Setting(2, threshold=0.4)]
+    assert {s.label: probed_speedup(probe, s, steps) for s in settings} == pytest.approx(probed)
+    predicted = predicted_speedups(probe, settings, steps, full=Setting(2), measured_full=0.9)
+    scale = 0.9 / probed["2"]
+    assert predicted == pytest.approx({label: p * (scale if label != "0" else 1) for label, p in probed.items()})
+    assert predicted["2"] == pytest.approx(0.9)
 
 
 TREE = Setting(3, tree=TreeShape(3, 2, 6))
@@ -146,7 +156,7 @@ def test_tune_keeps_the_measured_best_at_every_batch_size_and_temperature(tuned)
         assert choice["written"] in measured
     # the acceptance that predicts is the full drafting's on every prompt at that batch size
     assert {(a["temperature"], a["batch_size"]) for a in record["acceptance"]} == {(0, 1), (0, 2), (1, 1), (1, 2)}
-    assert {r["setting"] for r in record["acceptance_runs"]} == {"3"}
+    assert {r["setting"] for r in record["acceptance_runs"]} == {"0", "3"}  # beside the target alone
     for choice in record["choices"]:  # the finalists ran round by round on the same batches, as often
         runs = [
             r
@@ -158,16 +168,24 @@ def test_tune_keeps_the_measured_best_at_every_batch_size_and_temperature(tuned)
             for label in choice["measured"]
         }
         assert len(set(map(str, by_setting.values()))) == 1
-    for seen in record["acceptance"]:
+    for seen in record["acceptance"]:  # the full drafting beside the target alone, on every prompt
         runs = [
             r
             for r in record["acceptance_runs"]
             if (r["batch_size"], r["temperature"]) == (seen["batch_size"], seen["temperature"])
         ]
-        assert len({p for r in runs for p in r["prompt_ids"]}) == 3
-        full = [s for r in runs for rep in r["repeats"] for s in rep["steps"]]
+        by_setting = {label: [r["prompt_ids"] for r in runs if r["setting"] == label] for label in ("0", "3")}
+        assert by_setting["0"] == by_setting["3"]
+        assert len({p for ids in by_setting["3"] for p in ids}) == 3
+        full = [s for r in runs if r["setting"] == "3" for rep in r["repeats"] for s in rep["steps"]]
         assert seen["blocks"] == len(full)
         assert seen["mean_accepted"]["3"] == pytest.approx(sum(s[1] for s in full) / len(full))
+        tokens_per_second = {
+            label: sum(rep["new_tokens"] for r in runs if r["setting"] == label for rep in r["repeats"])
+            / sum(rep["decode_seconds"] for r in runs if r["setting"] == label for rep in r["repeats"])
+            for label in ("0", "3")
+        }
+        assert seen["full_drafting_speedup"] == pytest.approx(tokens_per_second["3"] / tokens_per_second["0"])
     if record["style"] is None:  # the config's own chain: the schedule holds each size's written length
         greedy = {c["batch_size"]: int(c["written"]) for c in record["choices"] if c["temperature"] == 0}
         schedule = BatchSchedule.parse(record["schedule"]["greedy"])
@@ -217,13 +235,14 @@ def test_a_config_with_a_schedule_runs_its_own_length_and_keeps_what_was_not_tun
 
 
 def test_a_spent_budget_keeps_the_predictions(write_config, prompts):
-    """The full drafting's run and the probes always run (they predict); the budget stops the finalists."""
+    """The full drafting's run beside the target alone and the probes always run (they predict); the budget
+    stops the finalists."""
     record = greedy_tune(write_config(), prompts, "--budget-minutes", "0")
     assert record["partial"]
-    assert {(r["batch_size"], r["num_draft_tokens"]) for r in record["acceptance_runs"]} == {(1, 3)}
+    assert {(r["batch_size"], r["num_draft_tokens"]) for r in record["acceptance_runs"]} == {(1, 0), (1, 3)}
     assert record["batch_runs"] == []
     for choice in record["choices"]:
-        assert choice["measured"] == {}  # the target alone never ran: nothing to set the full drafting against
+        assert choice["measured"] == {}  # no finalist ran
         predicted = choice["predicted"]
         assert choice["chosen"] == max(predicted, key=predicted.get)
 

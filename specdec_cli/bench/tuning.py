@@ -1,6 +1,6 @@
 """`specdec tune`'s arithmetic: a speedup predicted for every candidate setting, from the config's full
-drafting run on every prompt and a short probe at the same batch size, and the choice among the
-settings then run for real.
+drafting run on every prompt beside the target alone, and a short probe at the same batch size, and
+the choice among the settings then run for real.
 
 Cutting every block to g draft tokens keeps each block's first min(drafted, g) drafts and
 min(accepted, g) of its accepted ones (a chain's acceptance is decided token by token, so its prefix is
@@ -9,7 +9,9 @@ length on all the prompts. A probe decodes a few prompts for a few tokens with e
 times a block of each as the loop runs it: its verification as wide as its rows' drafts, the
 drafting, and the loop's own work. The candidates that change more than the length (a tree, another
 verification rule or confidence threshold) cannot be cut from the full run: the probe's own tokens/s
-predicts them."""
+predicts them. The probe's batches are short and early: their rows all decode to the end, while in a
+real run rows leave as they finish and the context grows. So every probed speedup is scaled by the
+full drafting's measured speedup over its probed one."""
 
 from __future__ import annotations
 
@@ -92,7 +94,7 @@ def mean_accepted(steps: list[StepRecord], tokens: int) -> float:
     return statistics.fmean(min(s.accepted, tokens) for s in steps)
 
 
-def predicted_speedup(probe: Probe, setting: Setting, acceptance: list[StepRecord]) -> float:
+def probed_speedup(probe: Probe, setting: Setting, acceptance: list[StepRecord]) -> float:
     """Tokens/s of `setting` over the target alone's, at the probe's batch size. The config's own chain
     cut to fewer tokens: the probe's blocks of that length carrying the acceptance of `acceptance` (the
     steps of a full-drafting run at that batch size) cut to them; anything else: the probe's tokens/s."""
@@ -103,6 +105,16 @@ def predicted_speedup(probe: Probe, setting: Setting, acceptance: list[StepRecor
         return probe.tokens_per_second[label] / probe.alone_tokens_per_second
     tokens_per_block = probe.rows_per_block[label] * (1 + mean_accepted(acceptance, setting.tokens))
     return tokens_per_block / probe.block_seconds[label] / probe.alone_tokens_per_second
+
+
+def predicted_speedups(
+    probe: Probe, settings: list[Setting], acceptance: list[StepRecord], full: Setting, measured_full: float
+) -> dict[str, float]:
+    """Every setting's probed speedup, scaled by `measured_full` (the full drafting's speedup over the
+    target alone on every prompt, in the run that gave `acceptance`) over the full drafting's probed one;
+    the target alone is 1."""
+    scale = measured_full / probed_speedup(probe, full, acceptance)
+    return {s.label: probed_speedup(probe, s, acceptance) * (scale if s.tokens else 1.0) for s in settings}
 
 
 @dataclass

@@ -20,7 +20,7 @@ from specdec_cli.bench.measure import BatchGenerate
 from specdec_cli.bench.plan import Mode, Plan
 from specdec_cli.bench.prompts import Prompt
 from specdec_cli.bench.report import Report, environment_caption, markdown_document, rich_table, temperature_label
-from specdec_cli.bench.run import MakeBatchGenerator, run_batch, run_batches, run_rounds
+from specdec_cli.bench.run import MakeBatchGenerator, run_batch, run_rounds
 from specdec_cli.bench.summary import summarize_batches
 from specdec_cli.bench.tuning import (
     ALONE,
@@ -32,7 +32,7 @@ from specdec_cli.bench.tuning import (
     finalists,
     mean_accepted,
     order,
-    predicted_speedup,
+    predicted_speedups,
     runs_under,
     schedule_ranges,
     written_setting,
@@ -180,9 +180,9 @@ def check_tunable(cfg: Config) -> None:
 
 
 def tune(cfg: Config, prompts: list[Prompt], settings: TuneSettings, run: records.Run) -> None:
-    """Per temperature and batch size: the config's full drafting on every prompt (its acceptance, cut
-    short, predicts every shorter length's), a probe of every candidate, then the predicted best few and
-    the target alone."""
+    """Per temperature and batch size: the config's full drafting on every prompt beside the target alone
+    (its acceptance, cut short, predicts every shorter length's; its speedup scales the probe's), a probe
+    of every candidate, then the predicted best few and the target alone."""
     check_tunable(cfg)
     with display.stderr.status(f"Loading {cfg.target.describe()} and {cfg.draft.describe()}..."):
         pair = load_pair(cfg)
@@ -190,36 +190,19 @@ def tune(cfg: Config, prompts: list[Prompt], settings: TuneSettings, run: record
     full, plan, started = Setting(longest_block(cfg)), settings.plan, time.monotonic()
     choices: dict[tuple[float, int], Choice] = {}
     probes: dict[tuple[float, int], Probe] = {}
-    acceptance: dict[tuple[float, int], list[StepRecord]] = {}
-    acceptance_runs: list[dict] = []  # the full drafting's, which predict
+    acceptance: list[dict] = []  # per temperature and batch size, what the full drafting's run predicts with
+    acceptance_runs: list[dict] = []  # the full drafting's and the target alone's, which predict
     batch_runs: list[dict] = []  # the finalists', which are measured
     with display.progress() as bar:
         keys = [(t, size) for t in settings.temperatures for size in settings.batch_sizes]
         rounds = {size: math.ceil(len(batch_of(prompts, size)) / size) for size in settings.batch_sizes}
-        task = bar.add_task("tune", total=sum(2 + rounds[size] for _, size in keys))
+        task = bar.add_task("tune", total=sum(1 + 2 * rounds[size] for _, size in keys))
 
-        def predicting_run(size: int, temperature: float) -> list[StepRecord]:
-            """The config's full drafting on every prompt: its blocks, whose acceptance predicts every length."""
-            bar.update(task, description=f"batch size {size}, {temperature_label(temperature)}: acceptance")
-            done, stopped = run_batches(
-                pair,
-                batch_of(prompts, size),
-                plan,
-                batched=[(size, mode_of(full, temperature, cfg))],
-                make=setting_generator(pair, full),
-            )
-            acceptance_runs.extend(r | {"setting": full.label} for r in done)
-            bar.advance(task)
-            if stopped:
-                raise Stopped
-            return [StepRecord(*s) for r in done for rep in r["repeats"] for s in rep["steps"]]
-
-        def measure(size: int, temperature: float, labels: list[str]) -> None:
-            """The finalists round by round, batch by batch, so the machine's drift moves them alike. Not
-            started once the budget is spent; stopped on Ctrl-C."""
-            if budget_spent(started, settings.budget_minutes):
-                raise Stopped
-            description = f"batch size {size}, {temperature_label(temperature)}: " + ", ".join(map(shown, labels))
+        def round_by_round(size: int, temperature: float, labels: list[str], what: str, into: list[dict]) -> list[dict]:
+            """`labels` on every prompt, batch by batch, each repeat of each in turn, so the machine's drift
+            moves them alike; their runs, each marked with its setting, added to `into` (also when stopped by
+            Ctrl-C) and returned."""
+            description = f"batch size {size}, {temperature_label(temperature)}: {what}"
 
             def on_batch(start: int) -> None:
                 bar.update(task, description=description, advance=start > 0)
@@ -228,41 +211,67 @@ def tune(cfg: Config, prompts: list[Prompt], settings: TuneSettings, run: record
                 (mode_of(options[label], temperature, cfg), setting_generator(pair, options[label])) for label in labels
             ]
             done, stopped = run_rounds(pair, batch_of(prompts, size), plan, size, entries, on_batch)
-            for label, runs in zip(labels, done):
-                batch_runs.extend(r | {"setting": label} for r in runs)
             bar.advance(task)
+            runs = [r | {"setting": label} for label, label_runs in zip(labels, done) for r in label_runs]
+            into.extend(runs)
             if stopped:
                 raise Stopped
+            return runs
 
         try:
             for key in keys:
                 temperature, size = key
-                steps = acceptance[key] = predicting_run(size, temperature)
+                what = "full drafting beside the target alone"
+                runs = round_by_round(size, temperature, [ALONE, full.label], what, into=acceptance_runs)
+                steps = [
+                    StepRecord(*s)
+                    for r in runs
+                    if r["setting"] == full.label
+                    for rep in r["repeats"]
+                    for s in rep["steps"]
+                ]
+                full_speedup = summary_row(runs, full.label)["speedup"][0]
+                acceptance.append(
+                    {
+                        "temperature": temperature,
+                        "batch_size": size,
+                        "blocks": len(steps),
+                        "mean_accepted": {g: mean_accepted(steps, g) for g in range(full.tokens + 1)},
+                        # measured beside the target alone: what the probe's predictions are scaled to
+                        "full_drafting_speedup": full_speedup,
+                    }
+                )
                 bar.update(task, description=f"probe: batch size {size}, {temperature_label(temperature)}")
                 # a rule alone changes sampled chains only: greedy, it would rerun the config's chain
                 here = [s for s in options.values() if s.cut or changes(s.style, greedy=temperature == 0)]
                 probes[key] = probe(pair, probe_prompts(prompts, size, settings.sample), size, temperature, here, plan)
                 bar.advance(task)
-                predicted = {s.label: predicted_speedup(probes[key], s, steps) for s in here}
+                predicted = predicted_speedups(probes[key], here, steps, full, full_speedup)
                 choices[key] = Choice(size, temperature, predicted, {}, {}, config_label(cfg, size, temperature))
-                measure(
-                    size, temperature, finalists(predicted, {full.label, choices[key].config_label}, settings.finalists)
-                )
+                if budget_spent(started, settings.budget_minutes):
+                    raise Stopped
+                labels = finalists(predicted, {full.label, choices[key].config_label}, settings.finalists)
+                round_by_round(size, temperature, labels, ", ".join(map(shown, labels)), into=batch_runs)
             partial = False
         except (KeyboardInterrupt, Stopped):
             partial = True
     for key, choice in choices.items():
         measured = [r for r in batch_runs if (r["temperature"], r["batch_size"]) == key]
         for label in {r["setting"] for r in measured} - {ALONE}:
-            # one setting at a time beside the target alone: settings that differ only in threshold
-            # would share a summary's group
-            row = summarize_batches([], [r for r in measured if r["setting"] in (ALONE, label)])
+            row = summary_row(measured, label)
             if row:
-                choice.measured[label] = row[0]["speedup"][0]
-                choice.accepted_length[label] = row[0]["mean_accepted_length"]
+                choice.measured[label] = row["speedup"][0]
+                choice.accepted_length[label] = row["mean_accepted_length"]
         if choice.measured:
             choice.measured[ALONE] = 1.0
     finish(cfg, pair, settings, options, choices, probes, acceptance, acceptance_runs, batch_runs, partial, run)
+
+
+def summary_row(runs: list[dict], label: str) -> dict | None:
+    """`label` against the target alone in runs that ran them round by round (one setting at a time:
+    settings that differ only in threshold would share a summary's group)."""
+    rows = summarize_batches([], [r for r in runs if r["setting"] in (ALONE, label)])
+    return rows[0] if rows else None
 
 
 def budget_spent(started: float, budget_minutes: float | None) -> bool:
@@ -350,16 +359,7 @@ def finish(
         "schedule": dataclasses.asdict(schedule) if schedule else None,
         "vllm_speculative_config": vllm,
         "vllm_unavailable": no_vllm,
-        # per temperature and batch size, the full drafting's blocks, which predict every length
-        "acceptance": [
-            {
-                "temperature": t,
-                "batch_size": size,
-                "blocks": len(steps),
-                "mean_accepted": {g: mean_accepted(steps, g) for g in range(longest_block(cfg) + 1)},
-            }
-            for (t, size), steps in acceptance.items()
-        ],
+        "acceptance": acceptance,
         "probes": [{"temperature": t, "batch_size": size} | dataclasses.asdict(p) for (t, size), p in probes.items()],
         "acceptance_runs": acceptance_runs,
         "batch_runs": batch_runs,
