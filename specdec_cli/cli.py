@@ -488,6 +488,14 @@ def distill(
             "conversations, or a corpus folder).",
         ),
     ] = None,
+    heldout_answers: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="With --answers: measure the draft on these answers (same format; at most 256, spread over "
+            "the file) instead of on a share of the given prompts' answers. Answers to prompts unlike the "
+            "training ones say how the draft does on prompts it never saw the like of.",
+        ),
+    ] = None,
     layers: Annotated[int, typer.Option(min=1, help="Decoder layers of the draft.")] = 1,
     draft_format: Annotated[
         DraftFormat,
@@ -615,6 +623,7 @@ def distill(
         learning_rate=learning_rate,
         eval_every=eval_every,
         training_tokens=parse_count(training_tokens, "--training-tokens") if training_tokens else None,
+        heldout_answers=str(heldout_answers) if heldout_answers else None,
         seed=cfg.sampling.seed,
         format=draft_format.value,
         layout=layout.value,

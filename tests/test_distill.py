@@ -36,10 +36,11 @@ from specdec_cli.distill.corpus import (
     target_states,
     write_answers,
 )
+from specdec_cli.distill.state import load_kept
 from specdec_cli.distill.train import HELDOUT_MOST, draft_log_probs, sample_tokens, split_heldout
 from specdec_cli.errors import EXIT_BAD_INPUT
 from specdec_cli.loading.checkpoints import load_model
-from specdec_cli.loading.tokens import padding_id
+from specdec_cli.loading.tokens import encode_prompt, padding_id
 from specdec_cli.methods.feature.draft import DRAFT_INFO, init_draft
 from specdec_cli.methods.feature.parts import feature_inputs, read_target
 from specdec_cli.options import EXIT_INTERRUPTED, configure
@@ -536,3 +537,23 @@ def test_figures_without_held_out_answers_are_not_shown_as_zero(tmp_path):
     log = json.loads((tmp_path / "draft" / DRAFT_INFO).read_text())["log"]
     assert len(log) == 2 and all(e["expected_acceptance"] is None and len(e["greedy_agreement"]) == 3 for e in log)
     assert "expected acceptance (T=1) not measured (no sampled answers held out)" in " ".join(run.stderr.split())
+
+
+def test_answers_held_out_from_another_file_are_measured_and_never_trained_on(tmp_path):
+    """--heldout-answers: the draft is measured on those answers, labelled in the same pass, and no
+    answer to one of their prompts is trained on; without --answers it is refused."""
+    other = tmp_path / "other.jsonl"
+    held = [("Name a colour", "Blue.", True), ("Name a fruit", "A pear.", False), (PROMPTS[0], "Hello.", True)]
+    other.write_text("\n".join(json.dumps({"prompt": p, "answer": a, "greedy": g}) for p, a, g in held))
+    args = quick_run(tmp_path, "--heldout-answers", str(other))
+    run = runner.invoke(app, args)
+    assert run.exit_code == 0, run.output
+    assert "3 held out (2 greedy, 1 sampled)" in " ".join(run.stderr.split())
+    labelled = load_kept(tmp_path / "draft" / "distill-work" / "labels-00000.pt")
+    tokenizer = load_pair(load_config(str(tmp_path / "target.yaml"))).tokenizer
+    heldout_prompts = {tuple(encode_prompt(tokenizer, p)) for p, _, _ in held}
+    assert {tuple(a["prompt"]) for a in labelled[:3]} == heldout_prompts
+    trained = labelled[3:]
+    assert len(trained) == 2 * (len(PROMPTS) - 1) and not any(tuple(a["prompt"]) in heldout_prompts for a in trained)
+    without = [a for a in args if a != "--answers" and not a.endswith("/answers.jsonl")]
+    assert "--heldout-answers needs --answers" in refusal(runner.invoke(app, without))

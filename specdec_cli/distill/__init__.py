@@ -42,7 +42,7 @@ from specdec_cli.config import Config
 from specdec_cli.distill.corpus import ANSWERS, build_corpus, label_answers, read_answers, write_answers
 from specdec_cli.distill.settings import EAGLE3_LAYOUTS, FORMATS, DistillSettings, read_layers
 from specdec_cli.distill.state import WORK, save
-from specdec_cli.distill.train import sample_tokens, split_heldout, train
+from specdec_cli.distill.train import sample_tokens, split_given_heldout, split_heldout, train
 from specdec_cli.distill.writing import read_corpus
 from specdec_cli.errors import SpecdecError
 from specdec_cli.loading.tokens import padding_id
@@ -69,6 +69,8 @@ def distill(
     if settings.layout not in EAGLE3_LAYOUTS or (settings.layout != "specforge" and settings.format != "eagle3"):
         layouts = ", ".join(EAGLE3_LAYOUTS)
         raise SpecdecError(f"--layout {settings.layout}: EAGLE-3 drafts (--format eagle3) are saved as {layouts}")
+    if settings.heldout_answers and not answers:
+        raise SpecdecError("--heldout-answers needs --answers: the target labels both in one pass")
     if cfg.runtime.threads:
         torch.set_num_threads(cfg.runtime.threads)
     device = resolve_device(cfg.runtime.device)
@@ -89,7 +91,12 @@ def distill(
             if answers.is_dir()
             else read_answers(answers, tokenizer, settings.answer_tokens)
         )
-        training, heldout = choose_answers(given, settings)  # before the target's pass: it may refuse
+        others = (
+            read_answers(Path(settings.heldout_answers), tokenizer, settings.answer_tokens)
+            if settings.heldout_answers
+            else None
+        )
+        training, heldout = choose_answers(given, settings, others)  # before the target's pass: it may refuse
         label_answers(
             target, heldout + training, padding_id(tokenizer), settings.top_k, work, read_layers(settings, target)
         )
@@ -117,10 +124,16 @@ def distill(
     display.stderr.print(f"Draft saved to {out}: name it as `draft: {{checkpoint: {out}}}`. {written}")
 
 
-def choose_answers(corpus: list[dict], settings: DistillSettings) -> tuple[list[dict], list[dict]]:
-    """The answers trained on and the held-out ones; with `training_tokens`, a seeded sample of that
-    many training answer tokens (the held-out answers chosen first, from them all)."""
-    training, heldout = split_heldout(corpus, settings.heldout_prompts)
+def choose_answers(
+    corpus: list[dict], settings: DistillSettings, others: list[dict] | None = None
+) -> tuple[list[dict], list[dict]]:
+    """The answers trained on and the held-out ones (from `others`, answers given apart, where given;
+    else a share of the corpus's given prompts'); with `training_tokens`, a seeded sample of that many
+    training answer tokens (the held-out answers chosen first, from them all)."""
+    if others is None:
+        training, heldout = split_heldout(corpus, settings.heldout_prompts)
+    else:
+        training, heldout = split_given_heldout(corpus, others)
     if settings.training_tokens:
         training = sample_tokens(training, settings.training_tokens, settings.seed)
     return training, heldout

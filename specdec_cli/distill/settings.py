@@ -36,6 +36,7 @@ class DistillSettings:
     eval_every: int = 250
     training_tokens: int | None = None  # answer tokens trained on, a seeded sample (None: all)
     heldout_prompts: float = 0.1  # of the given prompts: their answers are never trained on
+    heldout_answers: str | None = None  # a file of answers held out instead (to prompts unlike the training ones)
     seed: int = 0
     format: str = "specdec"  # or "eagle3": EAGLE-3's architecture, saved in its layout
     layout: str = "specforge"  # an EAGLE-3 draft's files: SpecForge's, or vllm-project/speculators'

@@ -43,6 +43,19 @@ def split_heldout(corpus: list[dict], share: float) -> tuple[list[dict], list[di
     return training, heldout
 
 
+def split_given_heldout(corpus: list[dict], others: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Training answers, and held-out answers given apart (`others`: at most `HELDOUT_MOST`, evenly
+    spaced through them), such as answers to prompts unlike the training ones: what the draft meets
+    on prompts of other kinds than it trained on. No answer to one of their prompts is trained on."""
+    count = min(HELDOUT_MOST, len(others))
+    heldout = [others[i * len(others) // count] for i in range(count)]
+    prompts = {tuple(a["prompt"]) for a in heldout}
+    training = [a for a in corpus if tuple(a["prompt"]) not in prompts]
+    if not training:
+        raise SpecdecError(f"no answers to train on: all {len(corpus)} answers are to prompts of the held-out answers")
+    return training, heldout
+
+
 def sample_tokens(training: list[dict], tokens: int, seed: int) -> list[dict]:
     """Training answers in a seeded order, up to `tokens` answer tokens: the same seed gives nested
     samples (the 1M-token one starts with the 500k-token one), as a learning curve needs."""
