@@ -8,12 +8,12 @@ out there (with `--training-tokens`, exactly the held-out answers; otherwise the
 With `--answers FILE` (distill's `--answers` format), `--count` answers spread over that file are
 labelled by the target into `--work` first (kept there for the next run): answers to prompts no
 draft trained on, such as specdec_cli/drafts/smollm2-135m-instruct-answers-new-prompts.jsonl.gz.
-
-    python scripts/draft_agreement.py --work /tmp/new-prompts --drafts smollm2-135m-instruct-draft drafts/2m \
-        --answers specdec_cli/drafts/smollm2-135m-instruct-answers-new-prompts.jsonl.gz
 Each draft reads the target states it was trained on; they are computed here, in the work folder's
 dtype, so drafts reading other taps compare on the same answers. Prints one line per draft: greedy
 agreement and expected acceptance at T=1 per draft position, and the vocabulary's coverage.
+
+    python scripts/draft_agreement.py --work /tmp/new-prompts --drafts smollm2-135m-instruct-draft drafts/2m \
+        --answers specdec_cli/drafts/smollm2-135m-instruct-answers-new-prompts.jsonl.gz
 """
 
 from __future__ import annotations
