@@ -52,7 +52,8 @@ def main() -> None:
     pad = padding_id(tokenizer)
     if args.answers:
         given = read_answers(args.answers, tokenizer, DistillSettings().answer_tokens)
-        spread = [given[i * len(given) // args.count] for i in range(min(args.count, len(given), SHARD))]
+        count = min(args.count, len(given), SHARD)
+        spread = [given[i * len(given) // count] for i in range(count)]
         args.work.mkdir(parents=True, exist_ok=True)
         label_answers(target, spread, pad, DistillSettings().top_k, args.work, (-1,))
     heldout = load_kept(args.work / "labels-00000.pt")
