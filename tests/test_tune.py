@@ -191,6 +191,14 @@ def test_tune_keeps_the_measured_best_at_every_batch_size_and_temperature(tuned)
         schedule = BatchSchedule.parse(record["schedule"]["greedy"])
         assert {size: schedule.tokens(size) for size in greedy} == greedy
     assert {p.name for p in folder.iterdir()} >= {"record.json", "tuned.yaml", "report.md", "chart.png"}
+    report = (folder / "report.md").read_text()
+    for choice in record["choices"]:  # the table shows the full drafting measured twice: the spread of one setting
+        cell = (choice["batch_size"], choice["temperature"])
+        first = next(
+            a["full_drafting_speedup"] for a in record["acceptance"] if (a["batch_size"], a["temperature"]) == cell
+        )
+        assert choice["predicted"]["3"] == pytest.approx(first)
+        assert f"{first:.2f}x / {choice['measured']['3']:.2f}x" in report
 
 
 def test_the_tuned_config_runs_as_written_and_stays_exact(tuned, tmp_path):

@@ -336,7 +336,7 @@ def finish(
     written = {key: written_setting(c, style, options) for key, c in choices.items()}
     schedule = tuned_schedule(choices, style, options, cfg.speculation.schedule)
     vllm, no_vllm = vllm_configs(cfg, style, schedule)
-    table = tune_table(choices, written)
+    table = tune_table(choices, written, str(longest_block(cfg)))
     record = {
         **records.header("tune", cfg, pair.describe()),
         "partial": partial,
@@ -386,9 +386,10 @@ def shown(label: str) -> str:
     return "off" if label == ALONE else label
 
 
-def tune_table(choices: dict[tuple[float, int], Choice], written: dict[tuple[float, int], str]) -> Report:
+def tune_table(choices: dict[tuple[float, int], Choice], written: dict[tuple[float, int], str], full: str) -> Report:
     """Batch size x temperature: the setting tuned.yaml runs, its predicted and measured speedup, the
-    config's, and the measured best of all where tuned.yaml could not take it."""
+    config's, the full drafting's two measurements (how far two runs of one setting fall apart here),
+    and the measured best of all where tuned.yaml could not take it."""
     rows = []
     for key, c in sorted(choices.items()):
         temperature, size = key
@@ -401,6 +402,8 @@ def tune_table(choices: dict[tuple[float, int], Choice], written: dict[tuple[flo
                 f"{c.predicted[label]:.2f}x",
                 f"{c.measured[label]:.2f}x" if label in c.measured else "n/a",
                 f"{c.measured[c.config_label]:.2f}x" if c.config_label in c.measured else "n/a",
+                # the full drafting's prediction is its first measurement (the probe is scaled to it)
+                f"{c.predicted[full]:.2f}x / " + (f"{c.measured[full]:.2f}x" if full in c.measured else "n/a"),
                 f"{c.accepted_length[label]:.2f}" if c.accepted_length.get(label) else "n/a",
                 ""
                 if c.chosen == label
@@ -409,11 +412,23 @@ def tune_table(choices: dict[tuple[float, int], Choice], written: dict[tuple[flo
         )
     return Report(
         "Speculation by batch size (speedup over the target alone at that batch size)",
-        ["batch size", "temperature", "tuned", "predicted", "measured", "config's own", "acc len", "best of all"],
+        [
+            "batch size",
+            "temperature",
+            "tuned",
+            "predicted",
+            "measured",
+            "config's own",
+            "full, twice",
+            "acc len",
+            "best of all",
+        ],
         rows,
-        "tuned: draft tokens (or tree, rule, threshold) tuned.yaml runs; predicted: from the probes; measured: all "
-        "prompts, this run; config's own: its drafting unchanged; best of all: where one config could not run it "
-        "at every batch size",
+        "tuned: draft tokens (or tree, rule, threshold) tuned.yaml runs; predicted: from the probes, scaled to "
+        "the full drafting's first run; measured: all prompts, this run; config's own: its drafting unchanged; "
+        f"full, twice: the config's full drafting ({full}) measured first (step 1) and again among the finalists, "
+        "beside the target alone both times: differences of this size are run-to-run spread, not the settings; "
+        "best of all: where one config could not run it at every batch size",
     )
 
 
