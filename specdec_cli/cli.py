@@ -470,7 +470,8 @@ def verify_distribution(
   specdec distill --out drafts/eagle3-speculators --format eagle3 --layout speculators\n
   specdec distill --out drafts/z --answers drafts/my-draft/corpus.jsonl.gz --layers 2   # reuse a corpus\n
   specdec distill --out drafts/big --answers corpus/smollm2-135m-instruct   # a corpus specdec corpus wrote\n
-  specdec distill --out drafts/2m --answers corpus/smollm2-135m-instruct --training-tokens 2M   # learning curve"""
+  specdec distill --out drafts/2m --answers corpus/smollm2-135m-instruct --training-tokens 2M   # learning curve\n
+  specdec distill --out drafts/mix --answers corpus/smollm2-135m-instruct --answers chats.jsonl.gz   # both sources"""
 )
 @reports_errors
 def distill(
@@ -481,11 +482,11 @@ def distill(
         typer.Option(help="Training prompts (text, JSONL or Spec-Bench JSONL) (default: the built-in training set)."),
     ] = None,
     answers: Annotated[
-        Optional[Path],
+        Optional[list[Path]],
         typer.Option(
             help='JSONL (.gz) of {"prompt": ..., "answer": ...}, or a folder `specdec corpus` wrote: the target '
             "labels these answers instead of writing its own (a saved draft's corpus.jsonl.gz, your own "
-            "conversations, or a corpus folder).",
+            "conversations, or a corpus folder). Repeat it to train on several sources together.",
         ),
     ] = None,
     heldout_answers: Annotated[
@@ -628,7 +629,7 @@ def distill(
         format=draft_format.value,
         layout=layout.value,
     )
-    distillation.distill(cfg, texts, settings, out, keep_work, answers, Run(runs_dir, record))
+    distillation.distill(cfg, texts, settings, out, keep_work, answers or [], Run(runs_dir, record))
 
 
 def parse_count(text: str, flag: str) -> int:

@@ -557,3 +557,19 @@ def test_answers_held_out_from_another_file_are_measured_and_never_trained_on(tm
     assert len(trained) == 2 * (len(PROMPTS) - 1) and not any(tuple(a["prompt"]) in heldout_prompts for a in trained)
     without = [a for a in args if a != "--answers" and not a.endswith("/answers.jsonl")]
     assert "--heldout-answers needs --answers" in refusal(runner.invoke(app, without))
+
+
+def test_answers_from_several_sources_are_trained_on_together(tmp_path):
+    """--answers given twice: the target labels both files' answers in one pass, and the draft trains
+    on them together (the held-out ones measured from another file, so every given answer trains)."""
+    second = tmp_path / "second.jsonl"
+    more = [("Name a colour", "Blue."), ("Name a fruit", "A pear.")]
+    second.write_text("\n".join(json.dumps({"prompt": p, "answer": a, "greedy": True}) for p, a in more))
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"prompt": "Name a river", "answer": "The Nile.", "greedy": True}))
+    run = runner.invoke(app, quick_run(tmp_path, "--answers", str(second), "--heldout-answers", str(other)))
+    assert run.exit_code == 0, run.output
+    assert f"Corpus: {2 * len(PROMPTS) + len(more)} training answers" in " ".join(run.stderr.split())
+    tokenizer = load_pair(load_config(str(tmp_path / "target.yaml"))).tokenizer
+    trained = {tuple(a["prompt"]) for a in load_kept(tmp_path / "draft" / "distill-work" / "labels-00000.pt")[1:]}
+    assert trained == {tuple(encode_prompt(tokenizer, p)) for p in [*PROMPTS, *(p for p, _ in more)]}

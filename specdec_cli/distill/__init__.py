@@ -59,11 +59,11 @@ def distill(
     settings: DistillSettings,
     out: Path,
     keep_work: bool,
-    answers: Path | None,
+    answers: list[Path],
     run: records.Run,
 ) -> None:
-    """The whole command: corpus (written by the target, or `answers` it labels), training, the saved
-    draft and its record."""
+    """The whole command: corpus (written by the target, or the `answers` files and corpus folders it
+    labels, together), training, the saved draft and its record."""
     if settings.format not in FORMATS:
         raise SpecdecError(f"unknown draft format {settings.format!r} (specdec distills {', '.join(FORMATS)})")
     if settings.layout not in EAGLE3_LAYOUTS or (settings.layout != "specforge" and settings.format != "eagle3"):
@@ -86,11 +86,15 @@ def distill(
     work = out / WORK  # corpus and training state: what a resumed run continues from
     work.mkdir(parents=True, exist_ok=True)
     if answers:
-        given = (
-            read_corpus(answers, settings.answer_tokens)
-            if answers.is_dir()
-            else read_answers(answers, tokenizer, settings.answer_tokens)
-        )
+        given = [
+            answer
+            for path in answers
+            for answer in (
+                read_corpus(path, settings.answer_tokens)
+                if path.is_dir()
+                else read_answers(path, tokenizer, settings.answer_tokens)
+            )
+        ]
         others = (
             read_answers(Path(settings.heldout_answers), tokenizer, settings.answer_tokens)
             if settings.heldout_answers
@@ -115,6 +119,7 @@ def distill(
         {
             **records.header("distill", cfg),
             "out": str(out),
+            "answers": [str(path) for path in answers],  # the files and folders labelled, if any
             "corpus_answers": len(corpus),  # held out and trained on
             "corpus_answer_tokens": sum(len(a["answer"]) for a in corpus),
             "settings": vars(settings),
