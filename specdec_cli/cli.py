@@ -503,8 +503,8 @@ def distill(
         typer.Option(
             "--format",
             help="specdec: specdec's own draft (normalised tap fusion, the target's head rows). eagle3: "
-            "EAGLE-3's architecture, saved in the layout SpecForge, SGLang and vLLM load (one layer, "
-            "3 target layers, its own head rows).",
+            "EAGLE-3's architecture, saved in the layout SpecForge, SGLang and vLLM load (3 target layers, "
+            "its own head rows; one layer, or with --layers N more, which vLLM loads and SGLang refuses).",
         ),
     ] = DraftFormat.specdec,
     layout: Annotated[

@@ -52,11 +52,9 @@ def write_yaml(path, data: dict):
     return path
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """One tiny EAGLE-3 distillation shared by the tests below: its folder, the trained draft as it
-    was in memory when saved, and a config pairing the folder with the target."""
-    tmp = tmp_path_factory.mktemp("eagle3")
+def distil(tmp, *more: str) -> SimpleNamespace:
+    """A tiny EAGLE-3 distillation in `tmp`: its folder, the trained draft as it was in memory when
+    saved, and a config pairing the folder with the target."""
     config = write_yaml(
         tmp / "target.yaml",
         {"name": "tiny", "target": TARGET, "draft": {"ngram": {}}, "runtime": {"device": "cpu", "threads": 1}},
@@ -73,7 +71,7 @@ def exported(tmp_path_factory):
         patch.setenv("SPECDEC_RUNS_DIR", str(tmp / "runs"))
         patch.setattr(distillation, "save", keep_and_save)
         args = ["distill", "-c", str(config), "--out", str(out), "--prompts", str(tmp / "prompts.txt")]
-        result = runner.invoke(app, [*args, "--format", "eagle3", "--target-layers", "3,1,2", *OPTIONS])
+        result = runner.invoke(app, [*args, "--format", "eagle3", "--target-layers", "3,1,2", *OPTIONS, *more])
     assert result.exit_code == 0, result.output
     pair_config = write_yaml(
         tmp / "pair.yaml",
@@ -93,6 +91,12 @@ def exported(tmp_path_factory):
         config=json.loads((out / "config.json").read_text()),
         info=json.loads((out / INFO).read_text()),
     )
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """One tiny EAGLE-3 distillation shared by the tests below."""
+    return distil(tmp_path_factory.mktemp("eagle3"))
 
 
 def test_the_folder_is_in_eagle3_layout(exported):
@@ -216,6 +220,11 @@ def test_it_loads_back_and_drafts_what_the_trained_draft_drafted(exported, capsy
     pair = load_pair(load_config(str(exported.pair_config)))
     assert "eagle3 draft reads target hidden states [1, 2, 3]" in capsys.readouterr().err
     assert pair.draft_description == "eagle3 draft, reads the target's hidden states [1, 2, 3]"
+    drafts_as_trained(exported, pair)
+
+
+def drafts_as_trained(exported: SimpleNamespace, pair) -> None:
+    """The loaded pair drafts what the draft drafted in memory when it was saved."""
     # the draft as it was trained, its weights rounded as the folder stores them (bfloat16)
     trained = copy.deepcopy(exported.draft)
     for name, weight in trained.named_parameters():
@@ -250,7 +259,6 @@ def test_greedy_output_is_the_targets(exported):
         (["--target-layers", "0,1,2"], "[0, 1, 2] do not fit"),  # the embedding output: no engine captures it
         (["--target-layers", "1,2,4"], "[1, 2, 4] do not fit"),  # after the final norm
         ([], "[2, 2, 1] do not fit"),  # the default, inputs of layers 2, L//2, L-3, coincide on 4 layers
-        (["--target-layers", "1,2,3", "--layers", "2"], "EAGLE-3 drafts have one layer"),
     ],
 )
 def test_what_eagle3_cannot_read_is_refused_before_the_corpus(tmp_path, options, message):
@@ -263,3 +271,22 @@ def test_what_eagle3_cannot_read_is_refused_before_the_corpus(tmp_path, options,
     [error] = [line for line in run.stderr.splitlines() if line.startswith("Error:")]
     assert message in error and "Traceback" not in run.output
     assert not out.exists()  # no corpus, not even the work folder
+
+
+def test_a_draft_of_two_layers_is_the_midlayer_then_a_llama_layer(tmp_path):
+    """`--layers 2`: the midlayer and one plain Llama layer after it (`layers.1.*`, as vLLM reads
+    them), started from two target layers, loaded back drafting what it drafted when trained, and
+    greedy output still the target's."""
+    two = distil(tmp_path, "--layers", "2", "--training-steps", "20", "--eval-every", "20")
+    assert two.config["num_hidden_layers"] == 2 and two.info["initialised_from_target_layers"] == [0, 3]
+    with safe_open(two.out / "model.safetensors", framework="pt") as f:
+        names = set(f.keys())
+    assert {n.split(".")[0] for n in names} == {"fc", "midlayer", "layers", "norm", "lm_head", "d2t", "t2d"}
+    assert {n.split(".")[1] for n in names if n.startswith("layers.")} == {"1"}
+    assert "layers.1.self_attn.q_proj.weight" in names and "layers.1.hidden_norm.weight" not in names
+    pair = load_pair(load_config(str(two.pair_config)))
+    assert len(pair.drafter.model.model.model.layers) == 2
+    with torch.no_grad():
+        drafts_as_trained(two, pair)
+    alone = generate_json("-c", str(two.target_config), "--max-new-tokens", "24", "--ignore-eos")
+    assert generate_json("-c", str(two.pair_config))["token_ids"] == alone["token_ids"]

@@ -368,9 +368,10 @@ def test_generate_in_vllm_gives_specdecs_greedy_tokens(files):
 @pytest.mark.vllm
 @pytest.mark.skipif(not has_vllm(), reason="vLLM is not set up: specdec setup-vllm")
 @pytest.mark.parametrize("layout", ["specforge", "speculators"])
-def test_an_eagle3_export_drafts_in_vllm_with_specdecs_greedy_tokens(layout, files, tmp_path):
+@pytest.mark.parametrize("layers", [1, 2])
+def test_an_eagle3_export_drafts_in_vllm_with_specdecs_greedy_tokens(layout, layers, files, tmp_path):
     """`specdec distill --format eagle3` writes a draft vLLM loads as its eagle3 method, in either
-    layout: a change to the export that vLLM cannot read fails here."""
+    layout, of one layer or more: a change to the export that vLLM cannot read fails here."""
     target = {**VLLM_TINY["target"]["tiny"], "num_layers": 4}  # EAGLE-3 reads 3 distinct layer inputs
     config = tmp_path / "target.yaml"
     config.write_text(yaml.safe_dump({"name": "t", "target": {"tiny": target}, "draft": {"ngram": {}}}))
@@ -380,7 +381,8 @@ def test_an_eagle3_export_drafts_in_vllm_with_specdecs_greedy_tokens(layout, fil
     distilled = runner.invoke(
         app,
         ["distill", "-c", str(config), "--out", str(out), "--prompts", str(files[1]), "--format", "eagle3"]
-        + ["--layout", layout, "--target-layers", "3,1,2", "--dtype", "float32", *options.split()],
+        + ["--layout", layout, "--layers", str(layers), "--target-layers", "3,1,2", "--dtype", "float32"]
+        + options.split(),
     )
     assert distilled.exit_code == 0, distilled.output
     pair = tmp_path / "pair.yaml"

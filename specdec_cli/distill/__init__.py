@@ -81,7 +81,7 @@ def distill(
         target, tokenizer = load_checkpoint(cfg.target, device, dtype)
     check_target_layers(read_layers(settings, target), target.config)  # before an hour of corpus
     if settings.format == "eagle3":
-        eagle3_export.check_taps(read_layers(settings, target), target.config.num_hidden_layers, settings.num_layers)
+        eagle3_export.check_taps(read_layers(settings, target), target.config.num_hidden_layers)
     starting_layers(target.config, settings.num_layers, settings.init_layers)
     work = out / WORK  # corpus and training state: what a resumed run continues from
     work.mkdir(parents=True, exist_ok=True)

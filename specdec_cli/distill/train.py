@@ -169,7 +169,9 @@ def new_draft(
     to_subset = torch.full((vocab_size,), -1, dtype=torch.long)
     to_subset[token_ids] = torch.arange(len(token_ids))
     if settings.format == "eagle3":
-        draft = eagle3_export.init_eagle3(target, token_ids, taps, settings.init_layers, settings.zero_features)
+        draft = eagle3_export.init_eagle3(
+            target, token_ids, taps, settings.num_layers, settings.init_layers, settings.zero_features
+        )
     else:
         draft = init_draft(target, settings.num_layers, token_ids, taps, settings.init_layers, settings.zero_features)
     return draft, to_subset

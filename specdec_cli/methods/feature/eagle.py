@@ -7,9 +7,10 @@
   `llama_eagle.py`). The state is the target's last hidden state after its final norm; the head is
   the target's.
 - `EAGLE3` (SafeAILab `eagle/model/cnets.py`, SpecForge `llama3_eagle.py`, vLLM `llama_eagle3.py`):
-  `fc` [H, 3 * H_target] fuses three raw target states (the tap fusion); the one `midlayer` reads
+  `fc` [H, 3 * H_target] fuses three raw target states (the tap fusion); the `midlayer` reads
   [input_layernorm(embedding), hidden_norm(state)] (2H wide) in its attention, its residual is the
-  state (its normed form with `norm_before_residual`); then `norm` and `lm_head` over a draft
+  state (its normed form with `norm_before_residual`); any later layers are plain Llama layers
+  (`layers.1.*` ..., as vLLM runs them; SGLang takes one layer); then `norm` and `lm_head` over a draft
   vocabulary mapped into the target's by `d2t` (target id = i + d2t[i]). Its later steps read its
   own output before `norm`, so `norm` moves into the head and the model's final norm is Identity.
   `specdec distill --format eagle3` trains this architecture and saves it in this layout
@@ -269,9 +270,10 @@ def make_eagle3(
     fc_norm: bool = False,
     norm_before_fc: bool = False,
 ) -> None:
-    """Turn a one-layer Llama model into EAGLE-3's draft (on the device or meta context it is built
-    in): the midlayer, `fc` as the tap fusion, no feature projection (the layer itself splits
-    [embedding, state]). Its `norm` and head are the caller's: they form the `Eagle3Head`."""
+    """Turn a Llama model into EAGLE-3's draft (on the device or meta context it is built in): its
+    first layer the midlayer, `fc` as the tap fusion, no feature projection (the midlayer itself
+    splits [embedding, state]); later layers stay Llama's. Its `norm` and head are the caller's:
+    they form the `Eagle3Head`."""
     config = model.config
     model.model.layers[0] = Eagle3Layer(config, norm_before_residual, qk_norm)
     fusion = Eagle3Fc(num_taps, state_width, config.hidden_size, config.rms_norm_eps, fc_norm, norm_before_fc)

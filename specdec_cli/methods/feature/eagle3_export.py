@@ -1,8 +1,10 @@
 """EAGLE-3 drafts that `specdec distill --format eagle3` trains and saves in the layout serving
 engines load (methods/feature/eagle.py loads it back the same way):
 
-- config.json: a one-layer Llama config, `architectures: ["LlamaForCausalLMEagle3"]` (SpecForge and
-  SGLang's class; vLLM maps it to its `Eagle3LlamaForCausalLM`), `vocab_size` the target's,
+- config.json: a Llama config of one layer (more with `--layers`: vLLM's EAGLE-3 runs later layers
+  as plain Llama layers after the midlayer, `layers.1.*` ...; SGLang and SpecForge take one),
+  `architectures: ["LlamaForCausalLMEagle3"]` (SpecForge and SGLang's class; vLLM maps it to its
+  `Eagle3LlamaForCausalLM`), `vocab_size` the target's,
   `draft_vocab_size`, `target_hidden_size`, `norm_before_residual: false` (SGLang's midlayer has no
   other), `tie_word_embeddings: false` (SGLang would take the head from the embedding), rope both
   as `rope_parameters` (transformers 5) and as `rope_theta` / `rope_scaling` (what older readers
@@ -12,7 +14,8 @@ engines load (methods/feature/eagle.py loads it back the same way):
   `eagle_aux_hidden_state_layer_ids`, layer INPUTS = transformers' `hidden_states` indices (vLLM
   reads this one, `get_eagle3_aux_layers_from_config`, and captures `hidden_states + residual`
   before layer id).
-- model.safetensors: `fc.weight` [H, 3H], `midlayer.*` (q/k/v reading 2H), `norm.weight`,
+- model.safetensors: `fc.weight` [H, 3H], `midlayer.*` (q/k/v reading 2H), `layers.{i}.*` for
+  any later layers, `norm.weight`,
   `lm_head.weight` [draft vocab, H], `d2t` (int64, target id = i + d2t[i]) and `t2d` (bool
   [vocab]), in bfloat16 but the maps; no `embed_tokens` (the engines then use the target's: vLLM
   skips it when absent, SpecForge's SGLang export drops it).
@@ -54,23 +57,22 @@ INFO = "distill.json"
 RENAMES = [
     (f"{TAPS}.", "fc."),
     ("model.layers.0.", "midlayer."),
+    ("model.layers.", "layers."),  # layers after the first: plain Llama layers, as vLLM names them
     ("lm_head.norm.", "norm."),
     ("lm_head.subset.weight", "lm_head.weight"),
 ]
 
 
-def check_taps(taps: tuple[int, ...], num_layers: int, draft_layers: int) -> None:
+def check_taps(taps: tuple[int, ...], num_layers: int) -> None:
     """EAGLE-3 reads 3 target states that both engines capture: inputs of layers 1 .. L - 1 (the
     input of layer 0 would be layer -1's output in SpecForge's count, which it refuses, and
     transformers' `hidden_states[L]` is after the final norm, which no engine captures)."""
-    if draft_layers != 1:
-        raise SpecdecError(f"--format eagle3: EAGLE-3 drafts have one layer (--layers 1), not {draft_layers}")
     check_states(
         taps, num_layers, f"--format eagle3: target layers {list(taps)}", lowest=1, highest=num_layers - 1, count=3
     )
 
 
-def eagle3_config(target: PreTrainedModel, taps: tuple[int, ...], draft_vocab: int) -> dict:
+def eagle3_config(target: PreTrainedModel, taps: tuple[int, ...], draft_vocab: int, num_layers: int = 1) -> dict:
     """config.json of the draft, as SpecForge writes it for a target's draft (plus the taps)."""
     text = target.config.get_text_config()
     width = target.get_input_embeddings().weight.shape[1]
@@ -82,7 +84,7 @@ def eagle3_config(target: PreTrainedModel, taps: tuple[int, ...], draft_vocab: i
         "model_type": "llama",
         "hidden_size": width,
         "intermediate_size": text.intermediate_size,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": num_layers,
         "num_attention_heads": text.num_attention_heads,
         "num_key_value_heads": getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
         "head_dim": getattr(text, "head_dim", None) or width // text.num_attention_heads,
@@ -113,32 +115,38 @@ def init_eagle3(
     target: PreTrainedModel,
     token_ids: torch.Tensor,
     taps: tuple[int, ...],
+    num_layers: int = 1,
     init_layers: tuple[int, ...] | None = None,
     zero_features: bool = False,
 ) -> PreTrainedModel:
-    """An EAGLE-3 draft for a Llama-style target reading its hidden states `taps`, trainable in
-    float32, built as `eagle.load_eagle3` builds a loaded one. Its start mirrors specdec's own
-    draft's: its layer is the target layer `init_layers` (default: the first), q/k/v reading the
-    normed embedding and state both through that layer's map (embedding + state), both input norms
-    the layer's; `fc` passes the deepest tap (or nothing with `zero_features`: a token-only start);
-    `norm` is the target's final norm and `lm_head` the target head's rows of `token_ids` (trained
-    here, unlike specdec's draft, which borrows them)."""
-    config = llama_from(eagle3_config(target, taps, len(token_ids)))
+    """An EAGLE-3 draft of `num_layers` layers for a Llama-style target reading its hidden states
+    `taps`, trainable in float32, built as `eagle.load_eagle3` builds a loaded one. Its start mirrors
+    specdec's own draft's: its layers are the target layers `init_layers` (default: evenly spaced),
+    the first one's q/k/v reading the normed embedding and state both through that layer's map
+    (embedding + state), both its input norms the layer's; `fc` passes the deepest tap (or nothing
+    with `zero_features`: a token-only start); `norm` is the target's final norm and `lm_head` the
+    target head's rows of `token_ids` (trained here, unlike specdec's draft, which borrows them)."""
+    config = llama_from(eagle3_config(target, taps, len(token_ids), num_layers))
     setattr(config, TARGET_LAYERS, sorted(taps))
-    [source] = starting_layers(target.config, 1, init_layers)
+    first, *later = starting_layers(target.config, num_layers, init_layers)
     draft = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
     make_eagle3(draft, len(taps), config.hidden_size, norm_before_residual=False)
-    width, layer = config.hidden_size, draft.model.layers[0]
+    width = config.hidden_size
     with torch.no_grad():
-        theirs = target.model.layers[source].state_dict()
-        for name, mine in layer.state_dict().items():
-            if name == "hidden_norm.weight":
-                name = "input_layernorm.weight"
-            tensor = theirs.get(name)
-            if tensor is not None and name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
-                tensor = tensor.repeat(1, 2)  # the same map of the embedding and the state
-            if tensor is not None and tensor.shape == mine.shape:  # where the target's layer has it
-                mine.copy_(tensor)
+        for index, source in enumerate([first, *later]):
+            theirs = target.model.layers[source].state_dict()
+            for name, mine in draft.model.layers[index].state_dict().items():
+                if name == "hidden_norm.weight":
+                    name = "input_layernorm.weight"
+                tensor = theirs.get(name)
+                if (
+                    index == 0
+                    and tensor is not None
+                    and name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))
+                ):
+                    tensor = tensor.repeat(1, 2)  # the midlayer's same map of the embedding and the state
+                if tensor is not None and tensor.shape == mine.shape:  # where the target's layer has it
+                    mine.copy_(tensor)
         fc = getattr(draft, TAPS).weight
         fc.zero_()
         if not zero_features:
@@ -198,7 +206,8 @@ def save_eagle3(draft: PreTrainedModel, target: PreTrainedModel, out: Path, info
     """config.json, model.safetensors and `INFO` in `layout` (specforge or speculators); no tokenizer
     (EAGLE-3 drafts use the target's)."""
     out.mkdir(parents=True, exist_ok=True)
-    config = eagle3_config(target, tuple(getattr(draft.config, TARGET_LAYERS)), len(draft.lm_head.token_ids))
+    taps = tuple(getattr(draft.config, TARGET_LAYERS))
+    config = eagle3_config(target, taps, len(draft.lm_head.token_ids), draft.config.num_hidden_layers)
     weights = eagle3_weights(draft)
     if layout == "speculators":
         config = speculators_config(config, target, info["target"])
