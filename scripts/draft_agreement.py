@@ -11,6 +11,9 @@ draft trained on, such as specdec_cli/drafts/smollm2-135m-instruct-answers-new-p
 Each draft reads the target states it was trained on; they are computed here, in the work folder's
 dtype, so drafts reading other taps compare on the same answers. Prints one line per draft: greedy
 agreement and expected acceptance at T=1 per draft position, and the vocabulary's coverage.
+`--by-confidence` adds, on the greedy answers, the first draft token's agreement by how sure the
+target was of its own token (its top-1 probability): whether the draft misses where the target
+itself hesitates.
 
     python scripts/draft_agreement.py --work /tmp/new-prompts --drafts smollm2-135m-instruct-draft drafts/2m \
         --answers specdec_cli/drafts/smollm2-135m-instruct-answers-new-prompts.jsonl.gz
@@ -25,10 +28,11 @@ from pathlib import Path
 import torch
 
 from specdec_cli.config import ModelSpec, load_config
+from specdec_cli.distill.batches import make_batch
 from specdec_cli.distill.corpus import SHARD, label_answers, read_answers, target_states
 from specdec_cli.distill.settings import DistillSettings
 from specdec_cli.distill.state import load_kept
-from specdec_cli.distill.train import evaluate, format_eval
+from specdec_cli.distill.train import draft_log_probs, evaluate, format_eval
 from specdec_cli.loading.target_states import target_layers
 from specdec_cli.loading.tokens import padding_id
 from specdec_cli.pair import load_checkpoint, resolve_dtype
@@ -44,6 +48,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", help="the target's dtype (the labels' is the work folder's)")
     parser.add_argument("--positions", type=int, default=3, help="draft positions measured")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--by-confidence", action="store_true", help="token 1's agreement by the target's top-1 p")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config)
@@ -69,6 +74,48 @@ def main() -> None:
             figures = evaluate(draft.eval(), answers, pad, to_subset, autocast, args.positions)
         print(f"{name}: {format_eval({'step': 'final', **figures})}")
         print(json.dumps({"draft": name, "heldout_answers": len(heldout), **figures}))
+        if args.by_confidence:
+            print(
+                json.dumps(
+                    {"draft": name, "by_target_confidence": by_confidence(draft, answers, pad, to_subset, autocast)}
+                )
+            )
+
+
+CONFIDENCE_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 1.01)  # bins of the target's top-1 probability
+
+
+@torch.no_grad()
+def by_confidence(draft, answers: list[dict], pad: int, to_subset: torch.Tensor, autocast) -> list[dict]:
+    """On greedy answers, per bin of the target's top-1 probability: the share of positions in it, the
+    share whose target token the draft's vocabulary holds (the most it can agree on), and the first
+    draft token's agreement with the target's token there."""
+    sure, agree, held = [], [], []
+    for start in range(0, len(answers), 8):
+        batch = make_batch(answers[start : start + 8], pad, to_subset, draft.device)
+        [q_log] = draft_log_probs(draft, batch, autocast, 1)
+        # the target's top-1 probability, whether or not the draft's vocabulary holds the token
+        top = torch.cat([a["top_logp"][:, 0] for a in answers[start : start + 8]]).float().exp()
+        drafted = torch.cat([torch.arange(len(a["answer"])) + len(a["prompt"]) - 2 for a in answers[start : start + 8]])
+        top = top[drafted >= 0]
+        predicted = draft.lm_head.token_ids[q_log.argmax(-1)]
+        sure.append(top[batch.greedy])
+        agree.append((predicted == batch.top1)[batch.greedy])
+        held.append((to_subset[batch.top1] >= 0)[batch.greedy])
+    sure, agree, held = torch.cat(sure), torch.cat(agree).float(), torch.cat(held).float()
+    rows = []
+    for low, high in zip(CONFIDENCE_EDGES, CONFIDENCE_EDGES[1:]):
+        inside = (sure >= low) & (sure < high)
+        count = int(inside.sum())
+        rows.append(
+            {
+                "target_top1": [low, min(high, 1.0)],
+                "share": round(count / len(sure), 3),
+                "in_vocabulary": round(held[inside].mean().item(), 3) if count else None,
+                "agreement": round(agree[inside].mean().item(), 3) if count else None,
+            }
+        )
+    return rows
 
 
 if __name__ == "__main__":
