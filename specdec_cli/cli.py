@@ -468,6 +468,7 @@ def verify_distribution(
   specdec distill --out drafts/y --target-layers=-1 --keep-work   # read only the target's last state\n
   specdec distill --out drafts/eagle3 --format eagle3\n
   specdec distill --out drafts/eagle3-speculators --format eagle3 --layout speculators\n
+  specdec distill --out drafts/eagle3-deep --format eagle3 --layers 2   # two layers: vLLM loads it, SGLang not\n
   specdec distill --out drafts/z --answers drafts/my-draft/corpus.jsonl.gz --layers 2   # reuse a corpus\n
   specdec distill --out drafts/big --answers corpus/smollm2-135m-instruct   # a corpus specdec corpus wrote\n
   specdec distill --out drafts/2m --answers corpus/smollm2-135m-instruct --training-tokens 2M   # learning curve\n
