@@ -128,12 +128,12 @@ def init_eagle3(
     target head's rows of `token_ids` (trained here, unlike specdec's draft, which borrows them)."""
     config = llama_from(eagle3_config(target, taps, len(token_ids), num_layers))
     setattr(config, TARGET_LAYERS, sorted(taps))
-    first, *later = starting_layers(target.config, num_layers, init_layers)
+    sources = starting_layers(target.config, num_layers, init_layers)
     draft = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
     make_eagle3(draft, len(taps), config.hidden_size, norm_before_residual=False)
     width = config.hidden_size
     with torch.no_grad():
-        for index, source in enumerate([first, *later]):
+        for index, source in enumerate(sources):
             theirs = target.model.layers[source].state_dict()
             for name, mine in draft.model.layers[index].state_dict().items():
                 if name == "hidden_norm.weight":
