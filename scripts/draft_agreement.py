@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from specdec_cli.config import ModelSpec, load_config
-from specdec_cli.distill.batches import make_batch
+from specdec_cli.distill.batches import answer_columns, make_batch
 from specdec_cli.distill.corpus import SHARD, label_answers, read_answers, target_states
 from specdec_cli.distill.settings import DistillSettings
 from specdec_cli.distill.state import load_kept
@@ -92,12 +92,11 @@ def by_confidence(draft, answers: list[dict], pad: int, to_subset: torch.Tensor,
     draft token's agreement with the target's token there."""
     sure, agree, held = [], [], []
     for start in range(0, len(answers), 8):
-        batch = make_batch(answers[start : start + 8], pad, to_subset, draft.device)
+        group = answers[start : start + 8]
+        batch = make_batch(group, pad, to_subset, draft.device)
         [q_log] = draft_log_probs(draft, batch, autocast, 1)
         # the target's top-1 probability, whether or not the draft's vocabulary holds the token
-        top = torch.cat([a["top_logp"][:, 0] for a in answers[start : start + 8]]).float().exp()
-        drafted = torch.cat([torch.arange(len(a["answer"])) + len(a["prompt"]) - 2 for a in answers[start : start + 8]])
-        top = top[drafted >= 0]
+        top = torch.cat([a["top_logp"][:, 0] for a in group]).float().exp()[answer_columns(group) >= 0]
         predicted = draft.lm_head.token_ids[q_log.argmax(-1)]
         sure.append(top[batch.greedy])
         agree.append((predicted == batch.top1)[batch.greedy])

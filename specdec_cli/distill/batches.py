@@ -47,13 +47,18 @@ class Batch:
     greedy: torch.Tensor  # [N] whether the position belongs to a greedy answer
 
 
+def answer_columns(answers: list[dict]) -> torch.Tensor:
+    """[N] per answer token of `answers`, the input that drafts it; -1 where none does."""
+    return torch.cat([torch.arange(len(a["answer"])) + len(a["prompt"]) - 2 for a in answers])
+
+
 def make_batch(answers: list[dict], pad: int, to_subset: torch.Tensor, device: torch.device) -> Batch:
     ids, mask = pad_right([a["prompt"][1:] + a["answer"] for a in answers], pad)
     features = torch.nn.utils.rnn.pad_sequence([a["features"] for a in answers], batch_first=True)
     # input j reads token j + 1 and predicts token j + 2: input P - 2 predicts the first answer token
     # (after a one-token prompt no input does: the first token is never drafted)
     rows = torch.cat([torch.full((len(a["answer"]),), i) for i, a in enumerate(answers)])
-    cols = torch.cat([torch.arange(len(a["answer"])) + len(a["prompt"]) - 2 for a in answers])
+    cols = answer_columns(answers)
     top_ids = torch.cat([a["top_ids"] for a in answers]).long()
     subset = to_subset[top_ids]
     weights = torch.cat([a["top_logp"] for a in answers]).float().exp() * (subset >= 0)
