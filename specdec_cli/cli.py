@@ -335,7 +335,11 @@ def tune(
     seed: SeedOpt = None,
     repeats: Annotated[
         int,
-        typer.Option(min=1, help="Runs of each batch per finalist, taken in turns with the others; the median counts."),
+        typer.Option(
+            min=1,
+            help="Runs of each batch per finalist, taken in turns with the others; the median counts. Batch sizes "
+            "the prompts fill fewer than 3 times repeat more, to 3 batch runs.",
+        ),
     ] = 1,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,

@@ -53,6 +53,9 @@ PROBE_TOKENS = 32  # new tokens per probe row: enough blocks to time, short enou
 PROBED = ("new_tokens", "decode_seconds", "blocks", "steps")  # a probe's sums over its batches
 WARMUP_TOKENS = 8
 THRESHOLDS = (0.0, 0.2, 0.4)  # confidence thresholds tried where the draft stops when unsure
+# each measured speedup stands on at least this many batch runs (the median of repeats counts): one slow
+# batch must not decide a batch size that the prompts fill only once or twice
+MIN_BATCH_RUNS = 3
 
 
 @dataclass(frozen=True)
@@ -164,6 +167,11 @@ def probe_prompts(prompts: list[Prompt], size: int, sample: int) -> list[Prompt]
     return batch_of(spread, count)[:count]
 
 
+def size_plan(plan: Plan, batches: int) -> Plan:
+    """The plan for a batch size the prompts fill `batches` times: repeated to MIN_BATCH_RUNS batch runs."""
+    return dataclasses.replace(plan, repeats=max(plan.repeats, math.ceil(MIN_BATCH_RUNS / batches)))
+
+
 def config_label(cfg: Config, size: int, temperature: float) -> str:
     """What the config as it is drafts per block at this batch size."""
     schedule = cfg.batch_schedule(greedy=temperature == 0)
@@ -210,7 +218,8 @@ def tune(cfg: Config, prompts: list[Prompt], settings: TuneSettings, run: record
             entries = [
                 (mode_of(options[label], temperature, cfg), setting_generator(pair, options[label])) for label in labels
             ]
-            done, stopped = run_rounds(pair, batch_of(prompts, size), plan, size, entries, on_batch)
+            runs_plan = size_plan(plan, rounds[size])
+            done, stopped = run_rounds(pair, batch_of(prompts, size), runs_plan, size, entries, on_batch)
             bar.advance(task)
             runs = [r | {"setting": label} for label, label_runs in zip(labels, done) for r in label_runs]
             into.extend(runs)
@@ -349,6 +358,7 @@ def finish(
             "probe_tokens": PROBE_TOKENS,
             "max_new_tokens": settings.plan.max_new_tokens,
             "repeats": settings.plan.repeats,
+            "min_batch_runs": MIN_BATCH_RUNS,
         },
         "candidates": list(options),
         # what tuned.yaml changes besides the schedule (null: the config's tree, rule and threshold)
