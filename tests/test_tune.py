@@ -20,6 +20,7 @@ from specdec_cli.bench.tuning import (
     Probe,
     Setting,
     finalists,
+    mean_accepted,
     predicted_speedups,
     probed_speedup,
     schedule_ranges,
@@ -85,11 +86,42 @@ def test_the_prediction_of_shorter_blocks_worked_by_hand():
         "2 threshold 0.4": 1.3,
     }
     settings = [Setting(2), Setting(1), Setting(0), Setting(2, threshold=0.4)]
-    assert {s.label: probed_speedup(probe, s, steps) for s in settings} == pytest.approx(probed)
-    predicted = predicted_speedups(probe, settings, steps, full=Setting(2), measured_full=0.9)
+    assert {s.label: probed_speedup(probe, s, steps, replay=False) for s in settings} == pytest.approx(probed)
+    predicted = predicted_speedups(probe, settings, steps, False, full=Setting(2), measured_full=0.9)
     scale = 0.9 / probed["2"]
     assert predicted == pytest.approx({label: p * (scale if label != "0" else 1) for label, p in probed.items()})
     assert predicted["2"] == pytest.approx(0.9)
+
+
+@pytest.mark.parametrize(
+    "tokens, cut, replayed",
+    [
+        (4, 11 / 5, 11 / 5),  # the full length: what was measured, either way
+        (2, 7 / 5, 16 / 7 - 1),  # blocks of 3 tokens emit the 5, 2, 1, 5 and 3 tokens in 2, 1, 1, 2, 1 blocks
+        (1, 4 / 5, 16 / 10 - 1),  # blocks of 2 tokens: in 3, 1, 1, 3, 2 blocks
+        (0, 0.0, 0.0),
+    ],
+)
+def test_shorter_blocks_are_cut_or_replayed_worked_by_hand(tokens, cut, replayed):
+    """Full blocks of 4 that accepted 4, 1, 0, 4 and 2 drafts, as blocks of fewer: cut, each keeps its first
+    accepted ones; replayed (a drafter that copies the context), a block's a + 1 tokens take
+    ceil((a + 1) / (tokens + 1)) blocks."""
+    steps = [StepRecord(4, a, a + 1, draft_seconds=0.0, verify_seconds=0.1) for a in (4, 1, 0, 4, 2)]
+    assert mean_accepted(steps, tokens, replay=False) == pytest.approx(cut)
+    assert mean_accepted(steps, tokens, replay=True) == pytest.approx(replayed)
+
+
+def test_drafters_that_copy_the_context_say_so(write_config):
+    """Prompt lookup and suffix decoding draft spans of the context; a draft model does not."""
+    copies = {}
+    for name, draft in (
+        ("ngram", {"ngram": {"max_n": 3, "min_n": 1}}),
+        ("suffix", {"suffix": {"max_spec_factor": 2.0}}),
+        ("model", {}),
+    ):
+        pair = load_pair(load_config(str(write_config({"draft": draft} if draft else {}))))
+        copies[name] = pair.drafter.copies_context
+    assert copies == {"ngram": True, "suffix": True, "model": False}
 
 
 TREE = Setting(3, tree=TreeShape(3, 2, 6))
@@ -191,6 +223,28 @@ def test_tune_keeps_the_measured_best_at_every_batch_size_and_temperature(tuned)
             for i in range(repeats)
         ]
         assert seen["full_drafting_speedup"] == pytest.approx(statistics.median(speedups))
+    assert not any(a["replayed"] for a in record["acceptance"])  # a draft model's shorter blocks are cut
+    for probe in record["probes"]:  # every candidate probed round by round, each batch to 3 batch runs
+        runs = [
+            r
+            for r in record["probe_runs"]
+            if (r["batch_size"], r["temperature"]) == (probe["batch_size"], probe["temperature"])
+        ]
+        by_setting = {
+            label: [(r["prompt_ids"], len(r["repeats"])) for r in runs if r["setting"] == label]
+            for label in probe["block_seconds"]
+        }
+        assert len(set(map(str, by_setting.values()))) == 1
+        assert sum(repeats for _, repeats in by_setting["0"]) >= 3
+        for label, seconds in probe["block_seconds"].items():  # of each batch's repeats, the median counts
+            medians = [
+                sorted(r["repeats"], key=lambda rep: rep["decode_seconds"])[(len(r["repeats"]) - 1) // 2]
+                for r in runs
+                if r["setting"] == label
+            ]
+            assert seconds == pytest.approx(
+                sum(m["decode_seconds"] for m in medians) / sum(m["blocks"] for m in medians)
+            )
     if record["style"] is None:  # the config's own chain: the schedule holds each size's written length
         greedy = {c["batch_size"]: int(c["written"]) for c in record["choices"] if c["temperature"] == 0}
         schedule = BatchSchedule.parse(record["schedule"]["greedy"])
@@ -233,6 +287,7 @@ def test_the_vllm_setting_is_written_where_vllm_has_the_draft(write_config, prom
     record = greedy_tune(config, prompts, "--finalists", "0")
     (speculative,) = record["vllm_speculative_config"].values()
     assert speculative["method"] == "ngram"
+    assert all(a["replayed"] for a in record["acceptance"])  # prompt lookup's shorter blocks are replayed
     assert speculative["num_speculative_tokens_per_batch_size"] == record["schedule"]["greedy"]
     assert record["vllm_unavailable"] is None
 

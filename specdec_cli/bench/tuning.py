@@ -5,16 +5,23 @@ the choice among the settings then run for real.
 Cutting every block to g draft tokens keeps each block's first min(drafted, g) drafts and
 min(accepted, g) of its accepted ones (a chain's acceptance is decided token by token, so its prefix is
 accepted as it would be alone), so one run of the full drafting gives the acceptance of every shorter
-length on all the prompts. A probe decodes a few prompts for a few tokens with every candidate, which
-times a block of each as the loop runs it: its verification as wide as its rows' drafts, the
-drafting, and the loop's own work. The candidates that change more than the length (a tree, another
-verification rule or confidence threshold) cannot be cut from the full run: the probe's own tokens/s
-predicts them. The probe's batches are short and early: their rows all decode to the end, while in a
-real run rows leave as they finish and the context grows. So every probed speedup is scaled by the
+length on all the prompts. A drafter that copies spans of the context (`copies_context`) drafts, after
+a short block accepted all it drafted, mostly the rest of the same span, whose later tokens are the
+likelier to be right: there each block that accepted a tokens is replayed instead, its a + 1 tokens
+emitted by ceil((a + 1) / (g + 1)) blocks of g. (A draft model is likelier right early in a block,
+and its next block starts afresh: for it the cut holds.)
+
+A probe decodes a few prompts for a few tokens with every candidate, round by round and repeated, which
+times a block of each as the loop runs it: its verification as wide as its rows' drafts, the drafting,
+and the loop's own work. The candidates that change more than the length (a tree, another verification
+rule or confidence threshold) cannot be cut from the full run: the probe's own tokens/s predicts them.
+The probe's batches are short and early: their rows all decode to the end, while in a real run rows
+leave as they finish and the context grows. So every probed speedup is scaled by the
 full drafting's measured speedup over its probed one."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -90,31 +97,42 @@ class Probe:
         return self.tokens_per_second[ALONE]
 
 
-def mean_accepted(steps: list[StepRecord], tokens: int) -> float:
-    return statistics.fmean(min(s.accepted, tokens) for s in steps)
+def mean_accepted(steps: list[StepRecord], tokens: int, replay: bool) -> float:
+    """Accepted drafts per block of the full drafting's `steps` had they drafted at most `tokens`: each
+    block cut, or (`replay`) replayed as blocks of `tokens` until it emitted what it did."""
+    if not replay:
+        return statistics.fmean(min(s.accepted, tokens) for s in steps)
+    blocks = sum(math.ceil((s.accepted + 1) / (tokens + 1)) for s in steps)
+    return sum(s.accepted + 1 for s in steps) / blocks - 1
 
 
-def probed_speedup(probe: Probe, setting: Setting, acceptance: list[StepRecord]) -> float:
+def probed_speedup(probe: Probe, setting: Setting, acceptance: list[StepRecord], replay: bool) -> float:
     """Tokens/s of `setting` over the target alone's, at the probe's batch size. The config's own chain
-    cut to fewer tokens: the probe's blocks of that length carrying the acceptance of `acceptance` (the
-    steps of a full-drafting run at that batch size) cut to them; anything else: the probe's tokens/s."""
+    at fewer tokens: the probe's blocks of that length carrying the acceptance of `acceptance` (the
+    steps of a full-drafting run at that batch size) cut or replayed to them; anything else: the probe's
+    tokens/s."""
     if setting.tokens == 0:
         return 1.0
     label = setting.label
     if not setting.cut:
         return probe.tokens_per_second[label] / probe.alone_tokens_per_second
-    tokens_per_block = probe.rows_per_block[label] * (1 + mean_accepted(acceptance, setting.tokens))
+    tokens_per_block = probe.rows_per_block[label] * (1 + mean_accepted(acceptance, setting.tokens, replay))
     return tokens_per_block / probe.block_seconds[label] / probe.alone_tokens_per_second
 
 
 def predicted_speedups(
-    probe: Probe, settings: list[Setting], acceptance: list[StepRecord], full: Setting, measured_full: float
+    probe: Probe,
+    settings: list[Setting],
+    acceptance: list[StepRecord],
+    replay: bool,
+    full: Setting,
+    measured_full: float,
 ) -> dict[str, float]:
     """Every setting's probed speedup, scaled by `measured_full` (the full drafting's speedup over the
     target alone on every prompt, in the run that gave `acceptance`) over the full drafting's probed one;
     the target alone is 1."""
-    scale = measured_full / probed_speedup(probe, full, acceptance)
-    return {s.label: probed_speedup(probe, s, acceptance) * (scale if s.tokens else 1.0) for s in settings}
+    scale = measured_full / probed_speedup(probe, full, acceptance, replay)
+    return {s.label: probed_speedup(probe, s, acceptance, replay) * (scale if s.tokens else 1.0) for s in settings}
 
 
 @dataclass

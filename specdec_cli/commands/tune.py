@@ -20,7 +20,7 @@ from specdec_cli.bench.measure import BatchGenerate
 from specdec_cli.bench.plan import Mode, Plan
 from specdec_cli.bench.prompts import Prompt
 from specdec_cli.bench.report import Report, environment_caption, markdown_document, rich_table, temperature_label
-from specdec_cli.bench.run import MakeBatchGenerator, run_batch, run_rounds
+from specdec_cli.bench.run import MakeBatchGenerator, run_rounds
 from specdec_cli.bench.summary import summarize_batches
 from specdec_cli.bench.tuning import (
     ALONE,
@@ -51,7 +51,6 @@ class Stopped(Exception):
 
 PROBE_TOKENS = 32  # new tokens per probe row: enough blocks to time, short enough to probe every size
 PROBED = ("new_tokens", "decode_seconds", "blocks", "steps")  # a probe's sums over its batches
-WARMUP_TOKENS = 8
 THRESHOLDS = (0.0, 0.2, 0.4)  # confidence thresholds tried where the draft stops when unsure
 # each measured speedup stands on at least this many batch runs (the median of repeats counts): one slow
 # batch must not decide a batch size that the prompts fill only once or twice
@@ -138,25 +137,33 @@ def candidates(cfg: Config, pair: Pair) -> dict[str, Setting]:
 
 def probe(
     pair: Pair, prompts: list[Prompt], size: int, temperature: float, settings: list[Setting], plan: Plan
-) -> Probe:
-    """`prompts` in batches of `size`, PROBE_TOKENS each, with every setting, each after a short
-    unmeasured batch."""
-    short = dataclasses.replace(plan, max_new_tokens=PROBE_TOKENS)
-    batches = [prompts[start : start + size] for start in range(0, len(prompts), size)]
-    runs = {}
-    for setting in settings:
-        make = setting_generator(pair, setting)
-        mode = Mode(temperature, setting.tokens)
-        run_batch(pair, batches[0], make(pair, mode, short, WARMUP_TOKENS), short, plan.seed)
-        generate = make(pair, mode, short, PROBE_TOKENS)
-        done = [run_batch(pair, batch, generate, short, plan.seed) for batch in batches]
-        runs[setting.label] = {key: sum(len(r[key]) if key == "steps" else r[key] for r in done) for key in PROBED}
-    return Probe(
+) -> tuple[Probe, list[dict]]:
+    """`prompts` in batches of `size`, PROBE_TOKENS each, with every setting round by round (a slow
+    stretch of the machine moves them alike), each batch repeated to MIN_BATCH_RUNS batch runs per
+    setting, and of each batch's repeats the median counts (one slow run does not move a setting alone).
+    Returns the probe and its runs, each marked with its setting."""
+    short = size_plan(dataclasses.replace(plan, max_new_tokens=PROBE_TOKENS), math.ceil(len(prompts) / size))
+    entries = [(mode_of(s, temperature, pair.config), setting_generator(pair, s)) for s in settings]
+    done, stopped = run_rounds(pair, prompts, short, size, entries)
+    if stopped:
+        raise Stopped
+    sums = {}
+    for setting, batches in zip(settings, done):
+        medians = [median_repeat(batch["repeats"]) for batch in batches]
+        sums[setting.label] = {key: sum(len(r[key]) if key == "steps" else r[key] for r in medians) for key in PROBED}
+    probed = Probe(
         batch_size=size,
-        block_seconds={label: r["decode_seconds"] / r["blocks"] for label, r in runs.items()},
-        rows_per_block={label: r["steps"] / r["blocks"] for label, r in runs.items()},
-        tokens_per_second={label: r["new_tokens"] / r["decode_seconds"] for label, r in runs.items()},
+        block_seconds={label: r["decode_seconds"] / r["blocks"] for label, r in sums.items()},
+        rows_per_block={label: r["steps"] / r["blocks"] for label, r in sums.items()},
+        tokens_per_second={label: r["new_tokens"] / r["decode_seconds"] for label, r in sums.items()},
     )
+    return probed, [r | {"setting": s.label} for s, batches in zip(settings, done) for r in batches]
+
+
+def median_repeat(repeats: list[dict]) -> dict:
+    """The repeat of one batch (the same tokens each time) whose decoding took the median time (of two,
+    the faster)."""
+    return sorted(repeats, key=lambda r: r["decode_seconds"])[(len(repeats) - 1) // 2]
 
 
 def probe_prompts(prompts: list[Prompt], size: int, sample: int) -> list[Prompt]:
@@ -195,11 +202,13 @@ def tune(cfg: Config, prompts: list[Prompt], settings: TuneSettings, run: record
     with display.stderr.status(f"Loading {cfg.target.describe()} and {cfg.draft.describe()}..."):
         pair = load_pair(cfg)
     options = candidates(cfg, pair)
+    replay = pair.drafter.copies_context
     full, plan, started = Setting(longest_block(cfg)), settings.plan, time.monotonic()
     choices: dict[tuple[float, int], Choice] = {}
     probes: dict[tuple[float, int], Probe] = {}
     acceptance: list[dict] = []  # per temperature and batch size, what the full drafting's run predicts with
     acceptance_runs: list[dict] = []  # the full drafting's and the target alone's, which predict
+    probe_runs: list[dict] = []  # the probes', which time a block of every candidate
     batch_runs: list[dict] = []  # the finalists', which are measured
     with display.progress() as bar:
         keys = [(t, size) for t in settings.temperatures for size in settings.batch_sizes]
@@ -245,7 +254,8 @@ def tune(cfg: Config, prompts: list[Prompt], settings: TuneSettings, run: record
                         "temperature": temperature,
                         "batch_size": size,
                         "blocks": len(steps),
-                        "mean_accepted": {g: mean_accepted(steps, g) for g in range(full.tokens + 1)},
+                        "mean_accepted": {g: mean_accepted(steps, g, replay) for g in range(full.tokens + 1)},
+                        "replayed": replay,  # shorter blocks' acceptance replayed rather than cut
                         # measured beside the target alone: what the probe's predictions are scaled to
                         "full_drafting_speedup": full_speedup,
                     }
@@ -253,9 +263,11 @@ def tune(cfg: Config, prompts: list[Prompt], settings: TuneSettings, run: record
                 bar.update(task, description=f"probe: batch size {size}, {temperature_label(temperature)}")
                 # a rule alone changes sampled chains only: greedy, it would rerun the config's chain
                 here = [s for s in options.values() if s.cut or changes(s.style, greedy=temperature == 0)]
-                probes[key] = probe(pair, probe_prompts(prompts, size, settings.sample), size, temperature, here, plan)
+                sample = probe_prompts(prompts, size, settings.sample)
+                probes[key], runs = probe(pair, sample, size, temperature, here, plan)
+                probe_runs.extend(runs)
                 bar.advance(task)
-                predicted = predicted_speedups(probes[key], here, steps, full, full_speedup)
+                predicted = predicted_speedups(probes[key], here, steps, replay, full, full_speedup)
                 choices[key] = Choice(size, temperature, predicted, {}, {}, config_label(cfg, size, temperature))
                 if budget_spent(started, settings.budget_minutes):
                     raise Stopped
@@ -273,7 +285,8 @@ def tune(cfg: Config, prompts: list[Prompt], settings: TuneSettings, run: record
                 choice.accepted_length[label] = row["mean_accepted_length"]
         if choice.measured:
             choice.measured[ALONE] = 1.0
-    finish(cfg, pair, settings, options, choices, probes, acceptance, acceptance_runs, batch_runs, partial, run)
+    by_purpose = {"acceptance_runs": acceptance_runs, "probe_runs": probe_runs, "batch_runs": batch_runs}
+    finish(cfg, pair, settings, options, choices, probes, acceptance, by_purpose, partial, run)
 
 
 def summary_row(runs: list[dict], label: str) -> dict | None:
@@ -339,8 +352,10 @@ def vllm_configs(cfg: Config, style: Setting, schedule: Schedule | None) -> tupl
 
 
 def finish(
-    cfg, pair, settings, options, choices, probes, acceptance, acceptance_runs, batch_runs, partial, run: records.Run
+    cfg, pair, settings, options, choices, probes, acceptance, runs: dict[str, list[dict]], partial, run: records.Run
 ) -> None:
+    """The record (with `runs`: every batch run, by what it was for), tuned.yaml, vLLM's settings, the
+    tables and the chart."""
     style = written_style(list(choices.values()), options)
     written = {key: written_setting(c, style, options) for key, c in choices.items()}
     schedule = tuned_schedule(choices, style, options, cfg.speculation.schedule)
@@ -371,8 +386,7 @@ def finish(
         "vllm_unavailable": no_vllm,
         "acceptance": acceptance,
         "probes": [{"temperature": t, "batch_size": size} | dataclasses.asdict(p) for (t, size), p in probes.items()],
-        "acceptance_runs": acceptance_runs,
-        "batch_runs": batch_runs,
+        **runs,
     }
     files = {"tuned.yaml": tuned_config(cfg, style, schedule)}
     files |= {f"vllm-speculative-config-{kind}.json": records.dumps(c) + "\n" for kind, c in vllm.items()}

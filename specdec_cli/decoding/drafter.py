@@ -8,9 +8,12 @@ all zeros, so the acceptance test rejects it, and the target's own token takes i
 Every drafter drafts chains (`propose`/`commit`) and trees (`propose_tree`/`commit_tree`,
 decoding/tree.py). What some can do besides, they declare, and the loop and the assembly read the
 declarations rather than the classes: `reads_target_states`, `stops_when_unsure` (it drafts token
-by token, so a confidence threshold can end its block early) and `observes` (`observe` sees every
-verification's logits). Every drafter `follow`s blocks it did not draft: another drafter's (prompt
-lookup's ahead of a draft model) or none (the target alone, where a schedule drafts nothing).
+by token, so a confidence threshold can end its block early), `observes` (`observe` sees every
+verification's logits) and `copies_context` (it drafts a span copied from the row's tokens, so once a
+short block accepts all it drafted, the next one mostly drafts the rest of that span: `specdec tune`
+predicts shorter blocks from longer ones by that). Every drafter `follow`s blocks it did not draft:
+another drafter's (prompt lookup's ahead of a draft model) or none (the target alone, where a schedule
+drafts nothing).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class Drafter:
     reads_target_states = False
     stops_when_unsure = False
     observes = False
+    copies_context = False
 
     def start(self, prompts: Rows, max_tokens: int, target_states: States) -> None:
         """New sequences of at most `max_tokens` tokens each. `target_states` [B, max(P) - 1, H]: the

@@ -20,6 +20,8 @@ class ContextDrafter(Drafter):
     parent slots: 0 the root, node i is slot i + 1, a parent before its children, siblings distinct),
     read from `self.contexts`."""
 
+    copies_context = True
+
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size = vocab_size
         self.device = device
