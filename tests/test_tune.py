@@ -191,18 +191,7 @@ def test_tune_keeps_the_measured_best_at_every_batch_size_and_temperature(tuned)
     assert {(a["temperature"], a["batch_size"]) for a in record["acceptance"]} == {(0, 1), (0, 2), (1, 1), (1, 2)}
     assert {r["setting"] for r in record["acceptance_runs"]} == {"0", "3"}  # beside the target alone
     for choice in record["choices"]:  # the finalists ran round by round on the same batches, as often
-        runs = [
-            r
-            for r in record["batch_runs"]
-            if (r["batch_size"], r["temperature"]) == (choice["batch_size"], choice["temperature"])
-        ]
-        by_setting = {
-            label: [(r["prompt_ids"], len(r["repeats"])) for r in runs if r["setting"] == label]
-            for label in choice["measured"]
-        }
-        assert len(set(map(str, by_setting.values()))) == 1
-        # a size the 3 prompts fill fewer than 3 times repeats its batches to 3 batch runs
-        assert sum(repeats for _, repeats in by_setting["0"]) >= 3
+        ran_alike(record["batch_runs"], choice, choice["measured"])
     for seen in record["acceptance"]:  # the full drafting beside the target alone, on every prompt
         runs = [
             r
@@ -224,18 +213,8 @@ def test_tune_keeps_the_measured_best_at_every_batch_size_and_temperature(tuned)
         ]
         assert seen["full_drafting_speedup"] == pytest.approx(statistics.median(speedups))
     assert not any(a["replayed"] for a in record["acceptance"])  # a draft model's shorter blocks are cut
-    for probe in record["probes"]:  # every candidate probed round by round, each batch to 3 batch runs
-        runs = [
-            r
-            for r in record["probe_runs"]
-            if (r["batch_size"], r["temperature"]) == (probe["batch_size"], probe["temperature"])
-        ]
-        by_setting = {
-            label: [(r["prompt_ids"], len(r["repeats"])) for r in runs if r["setting"] == label]
-            for label in probe["block_seconds"]
-        }
-        assert len(set(map(str, by_setting.values()))) == 1
-        assert sum(repeats for _, repeats in by_setting["0"]) >= 3
+    for probe in record["probes"]:  # every candidate probed round by round, likewise
+        runs = ran_alike(record["probe_runs"], probe, probe["block_seconds"])
         for label, seconds in probe["block_seconds"].items():  # of each batch's repeats, the median counts
             medians = [
                 sorted(r["repeats"], key=lambda rep: rep["decode_seconds"])[(len(r["repeats"]) - 1) // 2]
@@ -258,6 +237,18 @@ def test_tune_keeps_the_measured_best_at_every_batch_size_and_temperature(tuned)
         )
         assert choice["predicted"]["3"] == pytest.approx(first)
         assert f"{first:.2f}x / {choice['measured']['3']:.2f}x" in report
+
+
+def ran_alike(runs: list[dict], cell: dict, labels) -> list[dict]:
+    """The runs of `cell`'s batch size and temperature, after checking that every label ran the same batches
+    as often, and each batch size at least 3 batch runs (3 prompts in batches of 2: twice each)."""
+    runs = [r for r in runs if (r["batch_size"], r["temperature"]) == (cell["batch_size"], cell["temperature"])]
+    by_setting = {
+        label: [(r["prompt_ids"], len(r["repeats"])) for r in runs if r["setting"] == label] for label in labels
+    }
+    assert len(set(map(str, by_setting.values()))) == 1
+    assert sum(repeats for _, repeats in by_setting["0"]) >= 3
+    return runs
 
 
 def test_the_tuned_config_runs_as_written_and_stays_exact(tuned, tmp_path):
