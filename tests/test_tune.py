@@ -295,10 +295,12 @@ def test_a_config_with_a_schedule_runs_its_own_length_and_keeps_what_was_not_tun
 
 def test_a_spent_budget_keeps_the_predictions(write_config, prompts):
     """The full drafting's run beside the target alone and the probes always run (they predict); the budget
-    stops the finalists."""
-    record = greedy_tune(write_config(), prompts, "--budget-minutes", "0")
+    stops the finalists. --repeats repeats the runs that measure, not the probe's (3 batch runs each)."""
+    record = greedy_tune(write_config(), prompts, "--budget-minutes", "0", "--repeats", "4")
     assert record["partial"]
     assert {(r["batch_size"], r["num_draft_tokens"]) for r in record["acceptance_runs"]} == {(1, 0), (1, 3)}
+    assert {len(r["repeats"]) for r in record["acceptance_runs"]} == {4}
+    assert {len(r["repeats"]) for r in record["probe_runs"]} == {3}  # --sample 1: one batch of 1
     assert record["batch_runs"] == []
     for choice in record["choices"]:
         assert choice["measured"] == {}  # no finalist ran

@@ -50,7 +50,7 @@ class Stopped(Exception):
 
 
 PROBE_TOKENS = 32  # new tokens per probe row: enough blocks to time, short enough to probe every size
-PROBED = ("new_tokens", "decode_seconds", "blocks", "steps")  # a probe's sums over its batches
+PROBED = ("new_tokens", "decode_seconds", "blocks", "steps")  # a probe's sums over its batches' median repeats
 THRESHOLDS = (0.0, 0.2, 0.4)  # confidence thresholds tried where the draft stops when unsure
 # each measured speedup stands on at least this many batch runs (the median of repeats counts): one slow
 # batch must not decide a batch size that the prompts fill only once or twice
@@ -142,7 +142,9 @@ def probe(
     stretch of the machine moves them alike), each batch repeated to MIN_BATCH_RUNS batch runs per
     setting, and of each batch's repeats the median counts (one slow run does not move a setting alone).
     Returns the probe and its runs, each marked with its setting."""
-    short = size_plan(dataclasses.replace(plan, max_new_tokens=PROBE_TOKENS), math.ceil(len(prompts) / size))
+    # the finalists' --repeats is not the probe's: it repeats only to MIN_BATCH_RUNS
+    short = dataclasses.replace(plan, max_new_tokens=PROBE_TOKENS, repeats=1)
+    short = size_plan(short, math.ceil(len(prompts) / size))
     entries = [(mode_of(s, temperature, pair.config), setting_generator(pair, s)) for s in settings]
     done, stopped = run_rounds(pair, prompts, short, size, entries)
     if stopped:
