@@ -26,6 +26,9 @@ GRAPHED_WIDTH = 64
 # each row's context): shapes recur from block to block instead of growing by a token each, as graphs
 # need; eagerly it reads exactly the slots in use, which is cheaper on a CPU
 KEY_SLOTS_STEP = 128
+# the attribute where loading gives a model a forward of its own with transformers' signature and
+# outputs, in fewer operator calls (loading/llama_forward.py), which the cache calls instead
+DECODING_FORWARD = "specdec_forward"
 
 
 def grouped_query_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -170,6 +173,7 @@ class CachedModel:
         self.cache: RaggedCache | None = None
         self.lengths: list[int] = []  # tokens held per row
         self.graphed = GraphedForward(self.step, self.device) if graphs else None
+        self.llama_forward = getattr(model, DECODING_FORWARD, None)
 
     @property
     def context_length(self) -> int:
@@ -240,6 +244,10 @@ class CachedModel:
         """The model's forward after the cache was told where to write (`slots`): (logits, and the
         states of `state_layers` side by side when `hidden`)."""
         self.cache.write_positions = slots
+        if self.llama_forward is not None:
+            return self.llama_forward(
+                ids, embeds, positions, mask, self.cache, keep, self.state_layers if hidden else None
+            )
         out = self.model(
             input_ids=ids,
             inputs_embeds=embeds,

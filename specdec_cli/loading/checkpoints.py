@@ -40,6 +40,7 @@ from specdec_cli.config import ModelSpec, TinyModel, cache_dir, local_path
 from specdec_cli.errors import FetchError, SpecdecError
 from specdec_cli.loading.decode_matmul import PROCESS_CHOICE
 from specdec_cli.loading.draft_folder import WEIGHTS, index_files, tier_files
+from specdec_cli.loading.llama_forward import attach
 from specdec_cli.loading.tokens import eos_token_ids
 
 
@@ -84,6 +85,7 @@ def load_model(
     a folder in a draft format of its own (without it: transformers' checkpoints only)."""
     model, tokenizer = _load(spec, device, dtype, target, read_format)
     PROCESS_CHOICE.route(model)  # decoding feeds 1 to a few tokens at a time: see decode_matmul.py
+    attach(model)
     return model, tokenizer
 
 

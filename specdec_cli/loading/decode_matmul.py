@@ -19,7 +19,8 @@ keeps both copies of its weights.
 
 Sibling projections of one input (q, k and v; gate and up) are taken as one product over their
 weights side by side, as vLLM fuses them: fewer, larger products are faster on a CPU, and the
-model's own forward is left as it is (`Siblings`).
+model's own forward is left as it is (`Siblings`); loading/llama_forward.py calls the joint product
+directly.
 """
 
 from __future__ import annotations
@@ -143,12 +144,16 @@ class Siblings:
         self.input: torch.Tensor | None = None
         self.parts: list[torch.Tensor | None] = []
 
+    def joint(self, x: torch.Tensor) -> torch.Tensor:
+        """Every sibling's output side by side, [..., sum of their widths]."""
+        return self.choice.linear(x, self.weight, self.bias, self.packed)
+
     def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
         module = self.modules[index]
         if torch.compiler.is_compiling() or torch.is_grad_enabled():  # gradients reach the layer's own weight
             return self.choice.linear(x, module.weight, module.bias)
         if self.input is not x or self.parts[index] is None:
-            out = self.choice.linear(x, self.weight, self.bias, self.packed)
+            out = self.joint(x)
             self.input, self.parts = x, [part.contiguous() for part in out.split(self.sizes, dim=-1)]
         part, self.parts[index] = self.parts[index], None
         if all(p is None for p in self.parts):
