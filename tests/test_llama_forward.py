@@ -34,6 +34,10 @@ def test_serves_routed_llama_models_as_transformers_builds_them_only():
     patched = routed()
     patched.model.norm.forward = lambda x: x
     assert not LlamaForward.serves(patched)
+    changed_after_loading = routed()  # as a draft format may change a loaded model
+    assert CachedModel(changed_after_loading, changed_after_loading.config.vocab_size).own_forward is not None
+    changed_after_loading.model.layers[1].post_attention_layernorm = torch.nn.Identity()
+    assert CachedModel(changed_after_loading, changed_after_loading.config.vocab_size).own_forward is None
 
 
 def run(cache: CachedModel) -> list[torch.Tensor]:
@@ -63,9 +67,9 @@ def run_on_vectors(cache: CachedModel) -> list[torch.Tensor]:
 
 def same_as_transformers(model, width: int, states: tuple[int, ...], runs) -> None:
     fast = CachedModel(model, width, states)
-    assert fast.llama_forward is not None
+    assert fast.own_forward is not None
     reference = CachedModel(model, width, states)
-    reference.llama_forward = None
+    reference.own_forward = None
     ours, theirs = runs(fast), runs(reference)
     assert len(ours) == len(theirs)
     for mine, transformers_own in zip(ours, theirs):

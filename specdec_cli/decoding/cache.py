@@ -26,8 +26,10 @@ GRAPHED_WIDTH = 64
 # each row's context): shapes recur from block to block instead of growing by a token each, as graphs
 # need; eagerly it reads exactly the slots in use, which is cheaper on a CPU
 KEY_SLOTS_STEP = 128
-# the attribute where loading gives a model a forward of its own with transformers' signature and
-# outputs, in fewer operator calls (loading/llama_forward.py), which the cache calls instead
+# the attribute where loading names a forward of specdec's own for a model: a class with `serves(model)`
+# whose `cls(model)` is called as `CachedModel.step` calls transformers' model, with its outputs, in
+# fewer operator calls (loading/llama_forward.py). The cache builds it over the model as it is when
+# the cache is made (a draft format may have replaced parts since loading), where it still serves.
 DECODING_FORWARD = "specdec_forward"
 
 
@@ -173,7 +175,8 @@ class CachedModel:
         self.cache: RaggedCache | None = None
         self.lengths: list[int] = []  # tokens held per row
         self.graphed = GraphedForward(self.step, self.device) if graphs else None
-        self.llama_forward = getattr(model, DECODING_FORWARD, None)
+        own = getattr(model, DECODING_FORWARD, None)
+        self.own_forward = own(model) if own is not None and own.serves(model) else None
 
     @property
     def context_length(self) -> int:
@@ -244,8 +247,8 @@ class CachedModel:
         """The model's forward after the cache was told where to write (`slots`): (logits, and the
         states of `state_layers` side by side when `hidden`)."""
         self.cache.write_positions = slots
-        if self.llama_forward is not None:
-            return self.llama_forward(
+        if self.own_forward is not None:
+            return self.own_forward(
                 ids, embeds, positions, mask, self.cache, keep, self.state_layers if hidden else None
             )
         out = self.model(

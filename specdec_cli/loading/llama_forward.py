@@ -5,10 +5,11 @@ calls, hooks, output recording, and the many small operations of each layer's no
 embedding. This forward reads the same modules' weights and runs the same arithmetic per element in
 fewer calls: q/k/v and gate/up each as one product (decode_matmul.Siblings), the rotary embedding of
 the queries and keys at once, RMSNorm as one call, the attention through the model's own attention
-function over the same cache. Loading attaches it (`attach`) to models whose products are routed on a
-CPU (`decode_matmul.MatmulChoice.route`) and whose class is exactly LlamaForCausalLM (SmolLM2 and
-specdec's feature drafts among them), and the KV cache (decoding/cache.py) calls it in place of
-transformers' forward; every other model runs transformers' own. Tests check its logits and states
+function over the same cache. Loading names it (`attach`) for models whose products are routed on a
+CPU (`decode_matmul.MatmulChoice.route`) and whose classes are exactly transformers' Llama ones
+(SmolLM2 and specdec's feature drafts among them), and the KV cache (decoding/cache.py) builds it over
+the model, checked again, and calls it in place of transformers' forward; every other model runs
+transformers' own. Tests check its logits and states
 against transformers' bit for bit.
 """
 
@@ -148,6 +149,6 @@ def norm(x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> torch.Tensor:
 
 
 def attach(model: torch.nn.Module) -> None:
-    """Give a routed model its LlamaForward, where one serves it."""
+    """Name LlamaForward as a routed model's own forward, where it serves the model."""
     if LlamaForward.serves(model):
-        setattr(model, DECODING_FORWARD, LlamaForward(model))
+        setattr(model, DECODING_FORWARD, LlamaForward)
