@@ -9,8 +9,7 @@ function over the same cache. Loading names it (`attach`) for models whose produ
 CPU (`decode_matmul.MatmulChoice.route`) and whose classes are exactly transformers' Llama ones
 (SmolLM2 and specdec's feature drafts among them), and the KV cache (decoding/cache.py) builds it over
 the model, checked again, and calls it in place of transformers' forward; every other model runs
-transformers' own. Tests check its logits and states
-against transformers' bit for bit.
+transformers' own. Tests check its logits and states against transformers' bit for bit.
 """
 
 from __future__ import annotations
