@@ -78,8 +78,8 @@ class RaggedCache(Cache):
     """Keys and values of B rows in one preallocated tensor per layer, [B, heads, max_tokens + 1, dim],
     each row with a length of its own. A forward writes every row's n new entries at that row's
     length; a rollback only lowers lengths (no copy, no device work): stale entries are never
-    attended to (the mask hides them) and are overwritten by the next write. The owner sets
-    `write_positions` [B, n] and `visible` (how many slots the attention reads, never the scratch
+    attended to (the mask hides them) and are overwritten by the next write. The owner calls
+    `write_at` with [B, n] slots and sets `visible` (how many slots the attention reads, never the scratch
     slot) before each forward. Padding inputs (a row
     with fewer real inputs than the widest) are written to the last slot, `scratch`, which is never
     visible: written at the row's length they could pass the end of a row that is far along."""
@@ -88,8 +88,24 @@ class RaggedCache(Cache):
         self.max_tokens = max_tokens
         self.scratch = max_tokens
         self.write_positions: torch.Tensor | None = None
+        self.write_rows: dict[tuple[int, int], torch.Tensor] = {}
         self.visible = 0
         super().__init__(layers=[RaggedLayer(self) for _ in range(num_layers)])
+
+    def write_at(self, positions: torch.Tensor) -> None:
+        """The next forward writes row b's inputs at the slots positions[b] ([B, n])."""
+        self.write_positions = positions
+        self.write_rows = {}
+
+    def rows_to_write(self, heads: int, slots: int) -> torch.Tensor:
+        """Where the next forward's keys [B, heads, n, dim] go in a layer's store viewed as rows
+        [B * heads * slots, dim], in their order: worked out once per forward for all layers alike
+        (a copy of whole rows by index is much cheaper than an element-wise scatter)."""
+        if (heads, slots) not in self.write_rows:
+            batch = self.write_positions.shape[0]
+            starts = torch.arange(batch * heads, device=self.write_positions.device).view(batch, heads, 1) * slots
+            self.write_rows[heads, slots] = (starts + self.write_positions[:, None, :]).flatten()
+        return self.write_rows[heads, slots]
 
 
 class RaggedLayer(CacheLayerMixin):
@@ -109,9 +125,10 @@ class RaggedLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        at = self.owner.write_positions[:, None, :, None]  # [B, 1, n, 1]
-        self.keys.scatter_(2, at.expand_as(key_states), key_states)
-        self.values.scatter_(2, at.expand_as(value_states), value_states)
+        _, heads, slots, dim = self.keys.shape
+        rows = self.owner.rows_to_write(heads, slots)
+        self.keys.view(-1, dim).index_copy_(0, rows, key_states.reshape(-1, dim))
+        self.values.view(-1, dim).index_copy_(0, rows, value_states.reshape(-1, dim))
         return self.keys[:, :, : self.owner.visible], self.values[:, :, : self.owner.visible]
 
     def keep(self, rows: torch.Tensor) -> None:
@@ -216,7 +233,7 @@ class CachedModel:
         slots = to_device(self.lengths, self.device)[:, None] + steps  # [B, n]
         positions = slots if region is None else region.positions
         ragged = min(counts) < n
-        self.cache.write_positions = (
+        self.cache.write_at(
             slots.masked_fill(steps >= to_device(counts, self.device)[:, None], self.cache.scratch) if ragged else slots
         )
         needed = max(length + count for length, count in zip(self.lengths, counts))
@@ -246,7 +263,7 @@ class CachedModel:
     def step(self, ids, embeds, positions, slots, mask, keep, hidden) -> tuple[torch.Tensor, ...]:
         """The model's forward after the cache was told where to write (`slots`): (logits, and the
         states of `state_layers` side by side when `hidden`)."""
-        self.cache.write_positions = slots
+        self.cache.write_at(slots)
         if self.own_forward is not None:
             return self.own_forward(
                 ids, embeds, positions, mask, self.cache, keep, self.state_layers if hidden else None

@@ -119,6 +119,8 @@ class LlamaForward:
         heads, queries_and_keys = self.heads, self.heads + self.kv_heads
         # looked up as transformers does, at each forward: the cache sets its own after loading
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        # SDPA turns a boolean mask into this additive one at every call: once here, for all layers
+        mask = torch.zeros_like(mask, dtype=x.dtype).masked_fill_(~mask, float("-inf"))
         states = [x]
         for index, layer in enumerate(self.layers):
             joint = layer.qkv.joint(norm(x, *layer.input_norm)).view(batch, n, -1, layer.head_dim)
