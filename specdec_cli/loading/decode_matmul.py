@@ -76,7 +76,9 @@ def time_products(
 ) -> dict[str, float]:
     """Seconds to multiply `weights` by each of `timed_rows` token rows, each way this CPU has (best of
     `repeats`, after one warm-up pass; the turned-round way only up to `MAX_ROWS` rows, the prepacked
-    one where `packed` holds each weight's copy)."""
+    one where `packed` holds each weight's copy). Each repeat is a round that times every way in turn,
+    so that a passing disturbance (another process starting or ending) slows them alike instead of
+    deciding the choice."""
     inputs = {w.shape[1]: torch.randn(max(timed_rows), w.shape[1], dtype=w.dtype) for w in weights}
     products = {F_LINEAR: F.linear, TURNED: detour} if max(timed_rows) <= MAX_ROWS else {F_LINEAR: F.linear}
     if packed is not None and all(p is not None for p in packed):
@@ -84,18 +86,19 @@ def time_products(
         products[PACKED] = lambda x, w: packed_linear(x, by_weight[id(w)])
 
     def seconds(product, rows: int) -> float:
-        best = math.inf
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for w in weights:
-                product(inputs[w.shape[1]][:rows], w)
-            best = min(best, time.perf_counter() - start)
-        return best
+        start = time.perf_counter()
+        for w in weights:
+            product(inputs[w.shape[1]][:rows], w)
+        return time.perf_counter() - start
 
+    best = {(name, rows): math.inf for name in products for rows in timed_rows}
     with torch.no_grad():
         for product in products.values():
             seconds(product, 1)
-        return {name: sum(seconds(product, rows) for rows in timed_rows) for name, product in products.items()}
+        for _ in range(repeats):
+            for (name, rows), fastest in best.items():
+                best[name, rows] = min(fastest, seconds(products[name], rows))
+    return {name: sum(best[name, rows] for rows in timed_rows) for name in products}
 
 
 class Chosen(NamedTuple):
