@@ -95,6 +95,11 @@ class DraftFormat(str, Enum):
     eagle3 = "eagle3"
 
 
+class DistillLoss(str, Enum):
+    kl = "kl"
+    tv = "tv"
+
+
 class Eagle3Layout(str, Enum):
     specforge = "specforge"
     speculators = "speculators"
@@ -547,6 +552,13 @@ def distill(
             min=1, help="Draft positions trained: the 1st reads the target's states, later ones the draft's own."
         ),
     ] = 3,
+    loss: Annotated[
+        DistillLoss,
+        typer.Option(
+            help="Loss over the target's top-32 probabilities p and the draft's q: kl, cross-entropy (forward "
+            "KL, as EAGLE trains); tv, 1 - sum min(p, q), one minus the acceptance at temperature 1.",
+        ),
+    ] = DistillLoss.kl,
     vocab: Annotated[
         int,
         typer.Option(
@@ -620,6 +632,7 @@ def distill(
         zero_features=zero_features,
         position_decay=position_decay,
         draft_positions=draft_positions,
+        loss=loss.value,
         draft_vocab=vocab,
         answers_per_prompt=answers_per_prompt,
         synthetic_prompts=synthetic_prompts,

@@ -134,7 +134,7 @@ def train(
             while step < settings.training_steps:
                 batch = make_batch(next(stream), pad, to_subset, draft.device)
                 log_probs = draft_log_probs(draft, batch, autocast, settings.draft_positions)
-                loss = distillation_loss(log_probs, batch, settings.position_decay)
+                loss = distillation_loss(log_probs, batch, settings.position_decay, settings.loss)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(trainable, 1.0)
@@ -225,11 +225,18 @@ def draft_log_probs(
     return log_probs
 
 
-def distillation_loss(log_probs: list[torch.Tensor], batch: Batch, decay: float) -> torch.Tensor:
-    """Cross-entropy against the target's top-k probabilities, per position, weighted over draft
-    steps by decay ** k: a later draft token only counts if the ones before it were accepted."""
+def distillation_loss(log_probs: list[torch.Tensor], batch: Batch, decay: float, kind: str = "kl") -> torch.Tensor:
+    """The `kind` of loss (settings.LOSSES) against the target's top-k probabilities, per position,
+    weighted over draft steps by decay ** k: a later draft token only counts if the ones before it
+    were accepted."""
     weights = [decay**k for k in range(len(log_probs))]
-    losses = [-(batch.weights * q_log.gather(1, batch.targets)).sum(1).mean() for q_log in log_probs]
+    if kind == "tv":
+        losses = [
+            (1 - torch.minimum(batch.weights, q_log.gather(1, batch.targets).exp()).sum(1)).mean()
+            for q_log in log_probs
+        ]
+    else:
+        losses = [-(batch.weights * q_log.gather(1, batch.targets)).sum(1).mean() for q_log in log_probs]
     return sum(w * loss for w, loss in zip(weights, losses)) / sum(weights)
 
 
