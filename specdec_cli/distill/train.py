@@ -231,13 +231,16 @@ def distillation_loss(log_probs: list[torch.Tensor], batch: Batch, decay: float,
     were accepted."""
     weights = [decay**k for k in range(len(log_probs))]
     if kind == "tv":
-        losses = [
-            (1 - torch.minimum(batch.weights, q_log.gather(1, batch.targets).exp()).sum(1)).mean()
-            for q_log in log_probs
-        ]
+        losses = [(1 - overlap(q_log, batch)).mean() for q_log in log_probs]
     else:
         losses = [-(batch.weights * q_log.gather(1, batch.targets)).sum(1).mean() for q_log in log_probs]
     return sum(w * loss for w, loss in zip(weights, losses)) / sum(weights)
+
+
+def overlap(q_log: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """[N] sum of min(p, q) over the target's top-k at each position: the chance that a token drafted
+    from q is accepted at temperature 1 (as far as the top-k tells)."""
+    return torch.minimum(batch.weights, q_log.gather(1, batch.targets).exp()).sum(1)
 
 
 @torch.no_grad()
@@ -260,8 +263,7 @@ def evaluate(
         for k, q_log in enumerate(draft_log_probs(draft, batch, autocast, draft_steps)):
             predicted = draft.lm_head.token_ids[q_log.argmax(-1)]
             agree[k] += ((predicted == batch.top1) & batch.greedy).sum().item()
-            overlap = torch.minimum(batch.weights, q_log.gather(1, batch.targets).exp()).sum(1)
-            accept[k] += (overlap * ~batch.greedy).sum().item()
+            accept[k] += (overlap(q_log, batch) * ~batch.greedy).sum().item()
         greedy_count += batch.greedy.sum().item()
         sampled_count += (~batch.greedy).sum().item()
         covered += batch.weights.sum().item()
