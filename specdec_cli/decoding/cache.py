@@ -78,11 +78,11 @@ class RaggedCache(Cache):
     """Keys and values of B rows in one preallocated tensor per layer, [B, heads, max_tokens + 1, dim],
     each row with a length of its own. A forward writes every row's n new entries at that row's
     length; a rollback only lowers lengths (no copy, no device work): stale entries are never
-    attended to (the mask hides them) and are overwritten by the next write. The owner calls
-    `write_at` with [B, n] slots and sets `visible` (how many slots the attention reads, never the scratch
-    slot) before each forward. Padding inputs (a row
-    with fewer real inputs than the widest) are written to the last slot, `scratch`, which is never
-    visible: written at the row's length they could pass the end of a row that is far along."""
+    attended to (the mask hides them) and are overwritten by the next write. Before each forward the
+    owner calls `write_at` with the [B, n] slots to write and sets `visible` (how many slots the
+    attention reads, never the scratch slot). Padding inputs (a row with fewer real inputs than the
+    widest) are written to the last slot, `scratch`, which is never visible: written at the row's
+    length they could pass the end of a row that is far along."""
 
     def __init__(self, num_layers: int, max_tokens: int):
         self.max_tokens = max_tokens

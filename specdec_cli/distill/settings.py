@@ -9,10 +9,6 @@ from transformers import PreTrainedModel
 from specdec_cli.methods.feature.eagle import eagle3_layers
 
 FORMATS = ("specdec", "eagle3")  # the draft specdec trains, or EAGLE-3's (methods/feature/eagle3_export.py)
-# what a draft position's loss is over the target's top-k probabilities p and the draft's q: "kl",
-# cross-entropy (forward KL, as EAGLE trains); "tv", 1 - sum min(p, q), which is one minus the
-# acceptance at temperature 1 (total variation, as DistillSpec found best for sampling)
-LOSSES = ("kl", "tv")
 EAGLE3_LAYOUTS = (
     "specforge",
     "speculators",
@@ -28,7 +24,10 @@ class DistillSettings:
     init_layers: tuple[int, ...] | None = None  # target layers the draft's layers start from (None: spaced)
     zero_features: bool = False  # start as a token-only draft (the state's part of the projection 0)
     position_decay: float = 0.8  # loss weight of draft position k is decay ** k (EAGLE-3)
-    loss: str = "kl"  # one of LOSSES
+    # a draft position's loss over the target's top-k probabilities p and the draft's q: "kl",
+    # cross-entropy (forward KL, as EAGLE trains), or "tv", 1 - sum min(p, q): one minus the acceptance
+    # at temperature 1
+    loss: str = "kl"
     draft_positions: int = 3  # draft positions trained: the 1st reads target states, later ones its own
     answers_per_prompt: int = 4  # sampled at temperature 1, plus one greedy answer
     synthetic_prompts: int = 2048  # prompts the target writes itself, answered once each

@@ -226,14 +226,16 @@ def draft_log_probs(
 
 
 def distillation_loss(log_probs: list[torch.Tensor], batch: Batch, decay: float, kind: str = "kl") -> torch.Tensor:
-    """The `kind` of loss (settings.LOSSES) against the target's top-k probabilities, per position,
-    weighted over draft steps by decay ** k: a later draft token only counts if the ones before it
-    were accepted."""
+    """The `kind` of loss (DistillSettings.loss) against the target's top-k probabilities, per
+    position, weighted over draft steps by decay ** k: a later draft token only counts if the ones
+    before it were accepted."""
     weights = [decay**k for k in range(len(log_probs))]
     if kind == "tv":
         losses = [(1 - overlap(q_log, batch)).mean() for q_log in log_probs]
-    else:
+    elif kind == "kl":
         losses = [-(batch.weights * q_log.gather(1, batch.targets)).sum(1).mean() for q_log in log_probs]
+    else:
+        raise ValueError(f"unknown loss {kind!r}")
     return sum(w * loss for w, loss in zip(weights, losses)) / sum(weights)
 
 
