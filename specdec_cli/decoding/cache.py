@@ -233,7 +233,7 @@ class CachedModel:
         slots = to_device(self.lengths, self.device)[:, None] + steps  # [B, n]
         positions = slots if region is None else region.positions
         ragged = min(counts) < n
-        self.cache.write_at(
+        writes = (
             slots.masked_fill(steps >= to_device(counts, self.device)[:, None], self.cache.scratch) if ragged else slots
         )
         needed = max(length + count for length, count in zip(self.lengths, counts))
@@ -246,7 +246,7 @@ class CachedModel:
         else:
             keep = 1 if logits == "last" else 0
         mask = self.mask(positions, region)
-        tensors = dict(ids=input_ids, embeds=inputs_embeds, positions=positions, slots=self.cache.write_positions)
+        tensors = dict(ids=input_ids, embeds=inputs_embeds, positions=positions, slots=writes)
         tensors.update(mask=mask, keep=keep, hidden=hidden)
         # a new cache's first forward (its tensors made at the first write) runs eagerly
         ready = self.cache.layers[0].is_initialized

@@ -225,7 +225,7 @@ def draft_log_probs(
     return log_probs
 
 
-def distillation_loss(log_probs: list[torch.Tensor], batch: Batch, decay: float, kind: str = "kl") -> torch.Tensor:
+def distillation_loss(log_probs: list[torch.Tensor], batch: Batch, decay: float, kind: str) -> torch.Tensor:
     """The `kind` of loss (DistillSettings.loss) against the target's top-k probabilities, per
     position, weighted over draft steps by decay ** k: a later draft token only counts if the ones
     before it were accepted."""
