@@ -24,7 +24,7 @@ from specdec_cli.bench.prompts import builtin_suite, select
 from specdec_cli.config import apply_overrides, load_config
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.loading import decode_matmul
-from specdec_cli.loading.decode_matmul import F_LINEAR, PACKED, PROCESS_CHOICE, TURNED, Chosen
+from specdec_cli.loading.decode_matmul import F_LINEAR, MKL_PACKED, PACKED, PROCESS_CHOICE, TURNED, Chosen
 from specdec_cli.pair import cpu_name, load_pair
 
 
@@ -56,20 +56,26 @@ def main() -> None:
         environment["decode_matmul"] = PROCESS_CHOICE.name(dtype)
         print(json.dumps({**environment, **settings, "rows": rows}, indent=1))
         return
-    PROCESS_CHOICE.chosen[dtype] = Chosen(PACKED, PACKED)  # every model gets its prepacked copies
-    pair = load_pair(config)
-    prompts = [pair.encode(text) for text in texts]
-    decoders = {
-        "target only": pair.decoder(SamplingParams(), speculative=False),
-        "speculative": pair.decoder(SamplingParams()),
-    }
-    products = [Chosen(F_LINEAR, F_LINEAR), Chosen(TURNED, F_LINEAR), Chosen(TURNED, PACKED), Chosen(PACKED, PACKED)]
+    products = [
+        Chosen(F_LINEAR, F_LINEAR),
+        Chosen(TURNED, F_LINEAR),
+        Chosen(TURNED, PACKED),
+        Chosen(PACKED, PACKED),
+        Chosen(MKL_PACKED, MKL_PACKED),
+    ]
+    pairs = {}
+    for product in products:
+        PROCESS_CHOICE.chosen[dtype] = product  # the pair's models get the copies this product reads
+        pairs[product] = load_pair(config)
+    prompts = [pairs[products[0]].encode(text) for text in texts]
     batches = [prompts[i : i + args.batch] for i in range(0, len(prompts), args.batch)]
-    speeds = {(product, name): [] for product in products for name in decoders}
+    modes = ("target only", "speculative")
+    speeds = {(product, name): [] for product in products for name in modes}
     tokens = {}
     for round_index in range(args.rounds + 1):  # round 0 warms up
-        for product in products:
+        for product, pair in pairs.items():
             PROCESS_CHOICE.chosen[dtype] = product
+            decoders = {name: pair.decoder(SamplingParams(), speculative=name == "speculative") for name in modes}
             for name, decoder in decoders.items():
                 runs = [decoder.generate_batch(batch, args.tokens, seed=0, ignore_eos=True) for batch in batches]
                 tokens[product, name] = [r.token_ids for results in runs for r in results]
@@ -86,7 +92,7 @@ def main() -> None:
             "prompts_equal_to_f_linear_target_only": sum(a == b for a, b in zip(tokens[product, name], reference)),
         }
         for product in products
-        for name in decoders
+        for name in modes
     ]
     print(json.dumps({**environment, **settings, "rows": rows}, indent=1))
 

@@ -8,9 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specdec_cli.loading import decode_matmul
 from specdec_cli.loading.decode_matmul import (
     F_LINEAR,
     MAX_ROWS,
+    MKL_FEWEST_ROWS,
+    MKL_PACKED,
+    MKL_WIDE_ROWS,
     PACKED,
     TURNED,
     WIDE_ROWS,
@@ -18,10 +22,15 @@ from specdec_cli.loading.decode_matmul import (
     Linear,
     MatmulChoice,
     SiblingForward,
+    copy_for,
     detour,
+    mkl_linear,
+    mkl_pack,
     pack,
     packed_linear,
+    sibling_groups,
     time_products,
+    timed_weights,
 )
 
 SHAPES = [(1, 1), (1, 2), (1, 5), (2, 3), (1, MAX_ROWS), (1, MAX_ROWS + 1), (1, 40), (7,)]
@@ -57,6 +66,29 @@ def test_the_prepacked_product_matches_f_linear(shape, with_bias, dtype):
     torch.testing.assert_close(out, F.linear(x, weight, bias))
 
 
+@pytest.mark.parametrize("rows", [1, MKL_FEWEST_ROWS - 1, MKL_FEWEST_ROWS, 5, MAX_ROWS, 9, MKL_WIDE_ROWS, 33, 40])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("wide", [False, True])
+def test_the_mkl_packed_product_matches_f_linear_at_every_row_count(rows, with_bias, wide):
+    """Rows padded up to the copy's, and the rows outside what the copy serves taken by F.linear,
+    in any leading shape."""
+    x, weight, bias = operands((rows,), with_bias)
+    copy = mkl_pack(weight, MKL_WIDE_ROWS if wide else MAX_ROWS)
+    if copy is None:
+        pytest.skip("no MKL in this torch")
+    for shaped in (x, x[None], x.view(rows, 1, 24)):
+        out = mkl_linear(shaped, copy, weight, bias)
+        assert out.shape == (*shaped.shape[:-1], 40) and out.is_contiguous()
+        torch.testing.assert_close(out, F.linear(shaped, weight, bias))
+    if not MKL_FEWEST_ROWS <= rows <= copy.rows:
+        assert torch.equal(mkl_linear(x, copy, weight, bias), F.linear(x, weight, bias))
+
+
+def test_mkl_packs_float32_only():
+    assert mkl_pack(torch.zeros(4, 4, dtype=torch.bfloat16), MAX_ROWS) is None
+    assert copy_for(TURNED, torch.zeros(4, 4), wide=False) is None
+
+
 def chosen(narrow: str, dtype=torch.float32, wide: str | None = None) -> MatmulChoice:
     choice = MatmulChoice()
     choice.chosen[dtype] = Chosen(narrow, wide or (F_LINEAR if narrow == TURNED else narrow))
@@ -76,14 +108,14 @@ def test_a_wide_product_is_never_turned_round():
     assert TURNED not in time_products([torch.randn(40, 24)], WIDE_ROWS, repeats=1)
 
 
-@pytest.mark.parametrize("product", [TURNED, PACKED])
+@pytest.mark.parametrize("product", [TURNED, PACKED, MKL_PACKED])
 def test_gradients_go_through_f_linear(product):
-    x, weight, _ = operands((1, 2), False)
+    x, weight, _ = operands((1, MKL_FEWEST_ROWS), False)
     x.requires_grad_(True)
-    packed = pack(weight)
-    out = chosen(product).linear(x, weight, None, packed)
+    copy = copy_for(product, weight, wide=False)
+    out = chosen(product).linear(x, weight, None, (copy, copy))
     out.sum().backward()
-    torch.testing.assert_close(x.grad, weight.sum(0).expand(1, 2, 24))
+    torch.testing.assert_close(x.grad, weight.sum(0).expand(1, MKL_FEWEST_ROWS, 24))
 
 
 def test_a_compiled_forward_takes_f_linear_whose_product_inductor_can_lower():
@@ -96,7 +128,7 @@ def test_a_compiled_forward_takes_f_linear_whose_product_inductor_can_lower():
     module.weight.copy_(weight)
     module.bias.copy_(bias)
     module.forward = Linear(chosen(PACKED), module)
-    assert module.forward.packed is not None
+    assert module.forward.copies[0] is not None
     torch._dynamo.reset()
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(module, fullgraph=True)(x), F.linear(x, weight, bias))
@@ -114,12 +146,13 @@ def rerouted(model: torch.nn.Module) -> list[bool]:
     return ["forward" in vars(m) for m in linears if not isinstance(vars(m).get("forward"), SiblingForward)]
 
 
-@pytest.mark.parametrize("product", [TURNED, PACKED])
+@pytest.mark.parametrize("product", [TURNED, PACKED, MKL_PACKED])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("wide", [F_LINEAR, PACKED])
+@pytest.mark.parametrize("wide", [F_LINEAR, PACKED, MKL_PACKED])
 def test_a_model_decodes_the_same_through_each_product(tiny_target, product, dtype, wide):
-    if pack(torch.zeros(2, 2, dtype=dtype)) is None:
-        pytest.skip("no oneDNN linear for this dtype on this CPU")
+    for way, is_wide in ((product, False), (wide, True)):
+        if way in (PACKED, MKL_PACKED) and copy_for(way, torch.zeros(2, 2, dtype=dtype), is_wide) is None:
+            pytest.skip(f"no {way} product for {dtype} on this CPU")
     ids = torch.tensor([[3, 1, 4, 1, 5]])
     with torch.no_grad():
         model = fresh_copy(tiny_target).to(dtype)
@@ -130,12 +163,13 @@ def test_a_model_decodes_the_same_through_each_product(tiny_target, product, dty
         tolerance = 1e-4 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(model(input_ids=ids).logits, before, atol=tolerance, rtol=tolerance)
         torch.testing.assert_close(model(input_ids=ids[:, :1]).logits, before[:, :1], atol=tolerance, rtol=tolerance)
-        wide_ids = torch.arange(3, 3 + MAX_ROWS + 2)[None]
-        reference = fresh_copy(tiny_target).to(dtype)(input_ids=wide_ids).logits
-        torch.testing.assert_close(model(input_ids=wide_ids).logits, reference, atol=tolerance, rtol=tolerance)
+        for width in (MAX_ROWS + 2, MKL_WIDE_ROWS + 2):  # wide, and wider than MKL's wide copy
+            wide_ids = torch.arange(3, 3 + width)[None]
+            reference = fresh_copy(tiny_target).to(dtype)(input_ids=wide_ids).logits
+            torch.testing.assert_close(model(input_ids=wide_ids).logits, reference, atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.parametrize("product", [F_LINEAR, TURNED, PACKED])
+@pytest.mark.parametrize("product", [F_LINEAR, TURNED, PACKED, MKL_PACKED])
 def test_sibling_projections_share_one_weight_and_each_gets_its_own_product(tiny_target, product):
     model = fresh_copy(tiny_target)
     chosen(product).route(model)
@@ -175,14 +209,16 @@ def test_sibling_projections_with_biases_keep_their_own():
 
 def test_the_first_model_of_each_dtype_decides_by_measurement(tiny_target):
     weights = [m.weight for m in tiny_target.modules() if isinstance(m, torch.nn.Linear)]
-    seconds = time_products(weights, packed=[pack(w) for w in weights], repeats=1)  # every way route may take
-    assert {F_LINEAR, TURNED} <= set(seconds) <= {F_LINEAR, TURNED, PACKED} and all(s > 0 for s in seconds.values())
+    copies = {way: [copy_for(way, w, wide=False) for w in weights] for way in (PACKED, MKL_PACKED)}
+    seconds = time_products(weights, copies=copies, repeats=1)  # every way route may take
+    ways = {F_LINEAR, TURNED, PACKED, MKL_PACKED}
+    assert {F_LINEAR, TURNED} <= set(seconds) <= ways and all(s > 0 for s in seconds.values())
     choice = MatmulChoice()
     assert choice.name(torch.float32) is None
     model = fresh_copy(tiny_target)
     choice.route(model)
     narrow, wide = choice.chosen[torch.float32]
-    assert narrow in seconds and wide in (F_LINEAR, PACKED) and choice.name(torch.bfloat16) is None
+    assert narrow in seconds and wide in (F_LINEAR, PACKED, MKL_PACKED) and choice.name(torch.bfloat16) is None
     routed = (narrow, wide) != (F_LINEAR, F_LINEAR)
     assert all(rerouted(model)) == routed and any(rerouted(model)) == all(rerouted(model))
     # where F.linear measured fastest it stays, for the next model loaded too (no second measurement)
@@ -190,3 +226,29 @@ def test_the_first_model_of_each_dtype_decides_by_measurement(tiny_target):
     other = fresh_copy(tiny_target)
     choice.route(other)
     assert not any(rerouted(other)) and choice.name(torch.float32) == F_LINEAR
+
+
+def test_the_timing_takes_the_products_a_forward_takes(tiny_target):
+    """Sibling projections side by side (as the forward multiplies them), in the model's order, and
+    the output head even past the timing's budget."""
+    model = fresh_copy(tiny_target)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    groups = sibling_groups(model)
+    weights = timed_weights(linears, groups)
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    expected = [
+        torch.cat([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight]),
+        attention.o_proj.weight,
+        torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+        mlp.down_proj.weight,
+    ]
+    layers = len(model.model.layers)
+    assert len(weights) == 4 * layers + 1
+    for weight, want in zip(weights, expected):
+        assert torch.equal(weight, want)
+    assert torch.equal(weights[-1], model.lm_head.weight)
+    first_layer = sum(w.nbytes for w in expected)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(decode_matmul, "TIMED_BYTES", first_layer)
+        cut = timed_weights(linears, groups)
+    assert len(cut) == 5 and torch.equal(cut[-1], model.lm_head.weight)

@@ -1,21 +1,27 @@
 """Matrix products of loaded models on CPU, taken whichever way is fastest on this machine.
 
 A decoding forward multiplies every weight matrix W [out, in] by one to a few token rows x [n, in].
-Which kernel is fastest at that shape depends on the CPU and the dtype. Three ways:
+Which kernel is fastest at that shape depends on the CPU and the dtype. Four ways:
 - `x @ W.T`: torch's F.linear;
 - `W @ x.T`: the same product turned round, a lone row doubled; faster on some CPUs in float32 at
   a few rows, slower on others (docs/experiments/2026-12-02-decode-matmul.md);
 - `oneDNN, prepacked`: oneDNN's linear on a copy of W laid out once, at load, for the CPU's matrix
   instructions (what inductor's weight freezing and vLLM's CPU build use): the layout is paid once,
   not at every call.
+- `MKL, prepacked` (float32): MKL's product on a copy of W packed once, at load, for a number of
+  rows (what inductor's weight freezing does in float32), which spares the plain product laying W out
+  at every call: two copies, one for up to `MAX_ROWS` rows and one for up to `MKL_WIDE_ROWS`, a
+  product's rows padded up to its copy's; with fewer than `MKL_FEWEST_ROWS` rows, or more than
+  `MKL_WIDE_ROWS` (a prompt), the plain product serves.
 The first CPU model of each dtype (float32, bfloat16) that a process loads times them over its own
-weight matrices, at a few rows (up to `MAX_ROWS`: a decoding step, a verification) and at many (a
-batch's verification; the turned-round way is not a candidate there), and the fastest of each serves
-every later product of that dtype in the process (`PROCESS_CHOICE`: the target and its draft alike).
-F.linear takes everything on GPUs, with gradients or under autocast. Results differ from F.linear's
-in the last bits at most (another summation order), and the target-only baseline goes through the
-same path as speculative decoding, so benchmark ratios compare like with like. A prepacked model
-keeps both copies of its weights.
+weight matrices as its forward takes them (`timed_weights`), at a few rows (up to `MAX_ROWS`: a
+decoding step, a verification) and at many (a batch's verification; the turned-round way is not a
+candidate there), and the fastest of each serves every later product of that dtype in the process
+(`PROCESS_CHOICE`: the target and its draft alike). F.linear takes everything on GPUs, with
+gradients or under autocast. Results differ from F.linear's in the last bits at most (another
+summation order), and the target-only baseline goes through the same path as speculative decoding,
+so benchmark ratios compare like with like. A model served through copies keeps its weights beside
+them (F.linear takes the shapes the copies do not).
 
 Sibling projections of one input (q, k and v; gate and up) are taken as one product over their
 weights side by side, as vLLM fuses them: fewer, larger products are faster on a CPU, and the
@@ -36,12 +42,16 @@ import torch.nn.functional as F
 MAX_ROWS = 8  # beyond this the turned-round product was as fast as F.linear or slower
 TIMED_BYTES = 256 * 2**20  # weights timed: enough to stream from memory, as in a forward
 NARROW_ROWS = (1, 4)  # a target-only decoding step and a verification block of 3 draft tokens
-WIDE_ROWS = (16,)  # a batch of 4 rows verifying 3 draft tokens each
+WIDE_ROWS = (16, 20)  # a batch of 4 rows verifying 3 or 4 draft tokens each
 CHOSEN_DTYPES = (torch.float32, torch.bfloat16)
 # projections of one input that a layer calls one after another, as transformers names them
 SIBLING_NAMES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
-F_LINEAR, TURNED, PACKED = "x @ W.T", "W @ x.T", "oneDNN, prepacked"
+MKL_WIDE_ROWS = 32  # MKL's wide copy: a batch of rows verifying a few draft tokens each
+MKL_FEWEST_ROWS = 4  # below, the plain product is as fast and padding to MAX_ROWS rows would cost
+
+F_LINEAR, TURNED, PACKED, MKL_PACKED = "x @ W.T", "W @ x.T", "oneDNN, prepacked", "MKL, prepacked"
+COPIED = (PACKED, MKL_PACKED)  # the ways that read a copy of the weight made at load
 
 
 def detour(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -68,22 +78,60 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+class MklCopy(NamedTuple):
+    """A weight packed by MKL for products of `rows` rows (fewer are padded up to them)."""
+
+    packed: torch.Tensor
+    rows: int
+
+
+def mkl_pack(weight: torch.Tensor, rows: int) -> MklCopy | None:
+    """`weight` packed by MKL for `rows` rows, or None where this torch, CPU or dtype has no such
+    product."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch.backends.mkl.is_available():
+        return None
+    return MklCopy(torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows), rows)
+
+
+def mkl_linear(x: torch.Tensor, copy: MklCopy, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) through MKL's packed copy, x's rows padded up to the copy's; outside
+    `MKL_FEWEST_ROWS` to the copy's rows, F.linear itself."""
+    rows = x.reshape(-1, x.shape[-1])
+    count = rows.shape[0]
+    if not MKL_FEWEST_ROWS <= count <= copy.rows:
+        return F.linear(x, weight, bias)
+    if count < copy.rows:
+        rows = torch.cat([rows, rows.new_zeros(copy.rows - count, rows.shape[1])])
+    out = torch.ops.mkl._mkl_linear(rows, copy.packed, weight, bias, copy.rows)[:count]
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def copy_for(product: str, weight: torch.Tensor, wide: bool) -> torch.Tensor | MklCopy | None:
+    """The copy of `weight` that `product` reads for narrow (up to `MAX_ROWS` rows) or wide inputs:
+    None where the product reads none, or where this torch or CPU cannot make it."""
+    if product == PACKED:
+        return pack(weight)
+    if product == MKL_PACKED:
+        return mkl_pack(weight, MKL_WIDE_ROWS if wide else MAX_ROWS)
+    return None
+
+
 def time_products(
     weights: list[torch.Tensor],
     timed_rows: tuple[int, ...] = NARROW_ROWS,
-    packed: list[torch.Tensor | None] | None = None,
+    copies: dict[str, list] | None = None,
     repeats: int = 3,
 ) -> dict[str, float]:
     """Seconds to multiply `weights` by each of `timed_rows` token rows, each way this CPU has (best of
-    `repeats`, after one warm-up pass; the turned-round way only up to `MAX_ROWS` rows, the prepacked
-    one where `packed` holds each weight's copy). Each repeat is a round that times every way in turn,
-    so that a passing disturbance (another process starting or ending) slows them alike instead of
-    deciding the choice."""
+    `repeats`, after one warm-up pass; the turned-round way only up to `MAX_ROWS` rows, a way in
+    `COPIED` where `copies` holds each weight's copy for it). Each repeat is a round that times every
+    way in turn, so that a passing disturbance (another process starting or ending) slows them alike
+    instead of deciding the choice."""
     inputs = {w.shape[1]: torch.randn(max(timed_rows), w.shape[1], dtype=w.dtype) for w in weights}
     products = {F_LINEAR: F.linear, TURNED: detour} if max(timed_rows) <= MAX_ROWS else {F_LINEAR: F.linear}
-    if packed is not None and all(p is not None for p in packed):
-        by_weight = dict(zip(map(id, weights), packed))
-        products[PACKED] = lambda x, w: packed_linear(x, by_weight[id(w)])
+    for name, made in (copies or {}).items():
+        if all(c is not None for c in made):
+            products[name] = with_copies(name, dict(zip(map(id, weights), made)))
 
     def seconds(product, rows: int) -> float:
         start = time.perf_counter()
@@ -101,6 +149,13 @@ def time_products(
     return {name: sum(best[name, rows] for rows in timed_rows) for name in products}
 
 
+def with_copies(product: str, by_weight: dict[int, torch.Tensor | MklCopy]):
+    """`product` as a function of (x, weight) that reads the weight's copy in `by_weight`."""
+    if product == MKL_PACKED:
+        return lambda x, w: mkl_linear(x, by_weight[id(w)], w)
+    return lambda x, w: packed_linear(x, by_weight[id(w)])
+
+
 class Chosen(NamedTuple):
     """The products that serve a dtype: up to `MAX_ROWS` rows, and beyond."""
 
@@ -111,26 +166,34 @@ class Chosen(NamedTuple):
         return self.narrow if self.narrow == self.wide else f"{self.narrow} up to {MAX_ROWS} rows, {self.wide} above"
 
 
+def copies_of(chosen: Chosen | None, weight: torch.Tensor) -> tuple:
+    """The copies of a frozen `weight` that the chosen products read, for narrow and wide inputs (one
+    oneDNN copy serves both)."""
+    if chosen is None or weight.requires_grad:
+        return None, None
+    narrow = copy_for(chosen.narrow, weight, wide=False)
+    return narrow, narrow if chosen.wide == chosen.narrow == PACKED else copy_for(chosen.wide, weight, wide=True)
+
+
 class Linear:
     """A linear layer's forward through the process's choice: `module.forward = Linear(choice, module)`.
-    Holds the prepacked copy of a frozen weight where that way was chosen."""
+    Holds the copies of a frozen weight that the chosen ways read."""
 
     def __init__(self, choice: MatmulChoice, module: torch.nn.Module):
         self.choice, self.module = choice, module
-        chosen = choice.chosen.get(module.weight.dtype, ())
-        self.packed = pack(module.weight) if PACKED in chosen and not module.weight.requires_grad else None
+        self.copies = copies_of(choice.chosen.get(module.weight.dtype), module.weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.choice.linear(x, self.module.weight, self.module.bias, self.packed)
+        return self.choice.linear(x, self.module.weight, self.module.bias, self.copies)
 
 
 class Siblings:
     """Linear layers of one input taken as one product: the first of them called with an input
     computes every sibling's output, and each other one, called next with that same tensor, takes
     its part; called with another input (or twice), a layer computes afresh. Their weights become
-    views of the joint weight (no second copy); the joint one is prepacked where that way was
-    chosen. Under torch.compile (inductor fuses on its own) or with gradients each layer takes its
-    own product."""
+    views of the joint weight (no second copy); the joint one has the copies the chosen ways read.
+    Under torch.compile (inductor fuses on its own) or with gradients each layer takes its own
+    product."""
 
     def __init__(self, choice: MatmulChoice, modules: list[torch.nn.Module]):
         self.choice, self.modules = choice, modules
@@ -143,13 +206,13 @@ class Siblings:
             if bias is not None:
                 module.bias = torch.nn.Parameter(bias, requires_grad=False)
             module.forward = SiblingForward(self, index)
-        self.packed = pack(self.weight) if PACKED in choice.chosen.get(self.weight.dtype, ()) else None
+        self.copies = copies_of(choice.chosen.get(self.weight.dtype), self.weight)
         self.input: torch.Tensor | None = None
         self.parts: list[torch.Tensor | None] = []
 
     def joint(self, x: torch.Tensor) -> torch.Tensor:
         """Every sibling's output side by side, [..., sum of their widths]."""
-        return self.choice.linear(x, self.weight, self.bias, self.packed)
+        return self.choice.linear(x, self.weight, self.bias, self.copies)
 
     def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
         module = self.modules[index]
@@ -203,16 +266,19 @@ class MatmulChoice:
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
-        packed: torch.Tensor | None = None,
+        copies: tuple = (None, None),
     ) -> torch.Tensor:
         chosen = self.chosen.get(weight.dtype) if x.device.type == "cpu" and x.dtype == weight.dtype else None
         if chosen is None or torch.is_autocast_enabled("cpu") or (torch.is_grad_enabled() and x.requires_grad):
             return F.linear(x, weight, bias)
         if torch.compiler.is_compiling():  # inductor picks (and with freezing, packs) its own products
             return F.linear(x, weight, bias)
-        product = chosen.narrow if x.numel() // x.shape[-1] <= MAX_ROWS else chosen.wide
-        if product == PACKED and packed is not None and packed.dtype == x.dtype:
-            return packed_linear(x, packed, bias)
+        wide = x.numel() // x.shape[-1] > MAX_ROWS
+        product, copy = (chosen.wide if wide else chosen.narrow), copies[wide]
+        if product == PACKED and copy is not None and copy.dtype == x.dtype:
+            return packed_linear(x, copy, bias)
+        if product == MKL_PACKED and copy is not None:
+            return mkl_linear(x, copy, weight, bias)
         if product == TURNED:
             return detour(x, weight, bias)
         return F.linear(x, weight, bias)
@@ -228,21 +294,17 @@ class MatmulChoice:
         linears = [
             m for m in model.modules() if isinstance(m, torch.nn.Linear) or getattr(m, "routed_as_linear", False)
         ]
+        groups = sibling_groups(model)
         if parameter.dtype not in self.chosen and linears:
-            weights, size = [], 0
-            for module in linears:
-                if size >= TIMED_BYTES:
-                    break
-                weights.append(module.weight)
-                size += module.weight.nbytes
-            packed = [pack(w) for w in weights] if room_for_copies(linears) else None
+            weights, room = timed_weights(linears, groups), room_for_copies(linears)
             fastest = []
-            for timed_rows in (NARROW_ROWS, WIDE_ROWS):
-                seconds = time_products(weights, timed_rows, packed)
+            for wide, timed_rows in ((False, NARROW_ROWS), (True, WIDE_ROWS)):
+                made = {way: [copy_for(way, w, wide) for w in weights] for way in COPIED} if room else {}
+                seconds = time_products(weights, timed_rows, made)
                 fastest.append(min(seconds, key=seconds.get))
             self.chosen[parameter.dtype] = Chosen(*fastest)
         fused = set()
-        for group in sibling_groups(model):
+        for group in groups:
             Siblings(self, group)
             fused.update(map(id, group))
         if self.chosen.get(parameter.dtype, (F_LINEAR, F_LINEAR)) != (F_LINEAR, F_LINEAR):
@@ -251,9 +313,26 @@ class MatmulChoice:
                     module.forward = Linear(self, module)
 
 
+def timed_weights(linears: list[torch.nn.Module], groups: list[list[torch.nn.Linear]]) -> list[torch.Tensor]:
+    """The weights a forward multiplies by, as it takes them (sibling projections side by side), in
+    the model's order up to `TIMED_BYTES`, and the last one: the output head, a shape like no other
+    and the largest single product of a forward."""
+    first = {id(group[0]): group for group in groups}
+    later = {id(m) for group in groups for m in group[1:]}
+    products = [first.get(id(m), [m]) for m in linears if id(m) not in later]
+    timed, size = [], 0
+    for product in products[:-1]:
+        if size >= TIMED_BYTES:
+            break
+        timed.append(product)
+        size += sum(m.weight.nbytes for m in product)
+    return [torch.cat([m.weight for m in product]) for product in [*timed, products[-1]]]
+
+
 def room_for_copies(linears: list[torch.nn.Module]) -> bool:
-    """Whether prepacked copies of these layers' weights fit in half the memory now free."""
-    needed = sum(m.weight.nbytes for m in linears)
+    """Whether the copies these layers' weights may get (up to two MKL copies, each somewhat larger
+    than the weight: counted as three weights) fit in half the memory now free."""
+    needed = 3 * sum(m.weight.nbytes for m in linears)
     try:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):  # not a POSIX system: do not risk it
