@@ -76,7 +76,8 @@ def test_the_mkl_packed_product_matches_f_linear_at_every_row_count(rows, with_b
     copy = mkl_pack(weight, MKL_WIDE_ROWS if wide else MAX_ROWS)
     if copy is None:
         pytest.skip("no MKL in this torch")
-    for shaped in (x, x[None], x.view(rows, 1, 24)):
+    strided = torch.cat([x, x], dim=-1)[:, :24]  # rows that are not contiguous
+    for shaped in (x, x[None], x.view(rows, 1, 24), strided):
         out = mkl_linear(shaped, copy, weight, bias)
         assert out.shape == (*shaped.shape[:-1], 40) and out.is_contiguous()
         torch.testing.assert_close(out, F.linear(shaped, weight, bias))

@@ -96,7 +96,7 @@ def mkl_pack(weight: torch.Tensor, rows: int) -> MklCopy | None:
 def mkl_linear(x: torch.Tensor, copy: MklCopy, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) through MKL's packed copy, x's rows padded up to the copy's; outside
     `MKL_FEWEST_ROWS` to the copy's rows, F.linear itself."""
-    rows = x.reshape(-1, x.shape[-1])
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
     count = rows.shape[0]
     if not MKL_FEWEST_ROWS <= count <= copy.rows:
         return F.linear(x, weight, bias)
@@ -315,8 +315,8 @@ class MatmulChoice:
 
 def timed_weights(linears: list[torch.nn.Module], groups: list[list[torch.nn.Linear]]) -> list[torch.Tensor]:
     """The weights a forward multiplies by, as it takes them (sibling projections side by side), in
-    the model's order up to `TIMED_BYTES`, and the last one: the output head, a shape like no other
-    and the largest single product of a forward."""
+    the model's order up to `TIMED_BYTES`, and the last one (a causal LM's output head: a shape like no
+    other, and the largest single product of a forward)."""
     first = {id(group[0]): group for group in groups}
     later = {id(m) for group in groups for m in group[1:]}
     products = [first.get(id(m), [m]) for m in linears if id(m) not in later]
@@ -326,7 +326,7 @@ def timed_weights(linears: list[torch.nn.Module], groups: list[list[torch.nn.Lin
             break
         timed.append(product)
         size += sum(m.weight.nbytes for m in product)
-    return [torch.cat([m.weight for m in product]) for product in [*timed, products[-1]]]
+    return [torch.cat([m.weight for m in p]) if len(p) > 1 else p[0].weight for p in [*timed, products[-1]]]
 
 
 def room_for_copies(linears: list[torch.nn.Module]) -> bool:
