@@ -51,7 +51,6 @@ MKL_WIDE_ROWS = 32  # MKL's wide copy: a batch of rows verifying a few draft tok
 MKL_FEWEST_ROWS = 4  # below, the plain product is as fast and padding to MAX_ROWS rows would cost
 
 F_LINEAR, TURNED, PACKED, MKL_PACKED = "x @ W.T", "W @ x.T", "oneDNN, prepacked", "MKL, prepacked"
-COPIED = (PACKED, MKL_PACKED)  # the ways that read a copy of the weight made at load
 
 
 def detour(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -123,10 +122,10 @@ def time_products(
     repeats: int = 3,
 ) -> dict[str, float]:
     """Seconds to multiply `weights` by each of `timed_rows` token rows, each way this CPU has (best of
-    `repeats`, after one warm-up pass; the turned-round way only up to `MAX_ROWS` rows, a way in
-    `COPIED` where `copies` holds each weight's copy for it). Each repeat is a round that times every
-    way in turn, so that a passing disturbance (another process starting or ending) slows them alike
-    instead of deciding the choice."""
+    `repeats`, after one warm-up pass; the turned-round way only up to `MAX_ROWS` rows, a way that
+    reads a copy where `copies` holds each weight's copy for it). Each repeat is a round that times
+    every way in turn, so that a passing disturbance (another process starting or ending) slows them
+    alike instead of deciding the choice."""
     inputs = {w.shape[1]: torch.randn(max(timed_rows), w.shape[1], dtype=w.dtype) for w in weights}
     products = {F_LINEAR: F.linear, TURNED: detour} if max(timed_rows) <= MAX_ROWS else {F_LINEAR: F.linear}
     for name, made in (copies or {}).items():
@@ -297,9 +296,10 @@ class MatmulChoice:
         groups = sibling_groups(model)
         if parameter.dtype not in self.chosen and linears:
             weights, room = timed_weights(linears, groups), room_for_copies(linears)
+            onednn = [pack(w) for w in weights] if room else None  # one copy serves every row count
             fastest = []
             for wide, timed_rows in ((False, NARROW_ROWS), (True, WIDE_ROWS)):
-                made = {way: [copy_for(way, w, wide) for w in weights] for way in COPIED} if room else {}
+                made = {PACKED: onednn, MKL_PACKED: [copy_for(MKL_PACKED, w, wide) for w in weights]} if room else {}
                 seconds = time_products(weights, timed_rows, made)
                 fastest.append(min(seconds, key=seconds.get))
             self.chosen[parameter.dtype] = Chosen(*fastest)
