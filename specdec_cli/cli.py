@@ -100,6 +100,12 @@ class DistillLoss(str, Enum):
     tv = "tv"
 
 
+class TrainedAnswers(str, Enum):
+    all = "all"
+    greedy = "greedy"
+    sampled = "sampled"
+
+
 class Eagle3Layout(str, Enum):
     specforge = "specforge"
     speculators = "speculators"
@@ -586,6 +592,14 @@ def distill(
             "learning curve (the same seed gives nested samples, and the same held-out answers).",
         ),
     ] = None,
+    trained_answers: Annotated[
+        TrainedAnswers,
+        typer.Option(
+            help="Train on every answer, or only on the target's greedy or only its sampled ones (the "
+            "held-out answers stay the same: greedy agreement is measured on greedy ones, acceptance at "
+            "T=1 on sampled ones).",
+        ),
+    ] = TrainedAnswers.all,
     seed: SeedOpt = None,
     device: DeviceOpt = None,
     dtype: Annotated[
@@ -642,6 +656,7 @@ def distill(
         learning_rate=learning_rate,
         eval_every=eval_every,
         training_tokens=parse_count(training_tokens, "--training-tokens") if training_tokens else None,
+        trained_answers=trained_answers.value,
         heldout_answers=str(heldout_answers) if heldout_answers else None,
         seed=cfg.sampling.seed,
         format=draft_format.value,

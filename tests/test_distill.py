@@ -540,6 +540,34 @@ def test_a_corpus_with_nothing_to_train_on_is_refused(tmp_path):
     assert "no answers to train on" in error, error
 
 
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_training_on_one_kind_of_answer_keeps_the_held_out_ones(tmp_path, kind):
+    """--trained-answers greedy|sampled: the draft trains on the target's answers of that kind only,
+    measured on the held-out answers a run on all of them has (chosen first), so that the two compare."""
+    for name in ("all", kind, "other"):
+        (tmp_path / name).mkdir()
+    everything = quick_run(tmp_path / "all")
+    assert runner.invoke(app, everything).exit_code == 0
+    run = runner.invoke(app, quick_run(tmp_path / kind, "--trained-answers", kind))
+    assert run.exit_code == 0, run.output
+    [all_labelled, labelled] = [
+        load_kept(tmp_path / name / "draft" / "distill-work" / "labels-00000.pt") for name in ("all", kind)
+    ]
+    # answers to each prompt: one greedy, one sampled; half the training answers remain
+    heldout = 2 * len(labelled) - len(all_labelled)
+    assert 0 < heldout < len(labelled)
+    assert [a["answer"] for a in labelled[:heldout]] == [a["answer"] for a in all_labelled[:heldout]]
+    assert {a["greedy"] for a in labelled[:heldout]} == {True, False}
+    assert {a["greedy"] for a in labelled[heldout:]} == {kind == "greedy"}
+    # none of that kind: nothing to train on
+    args = quick_run(tmp_path / "other", "--trained-answers", kind)
+    answers = tmp_path / "other" / "answers.jsonl"
+    records = [json.loads(line) | {"greedy": kind != "greedy"} for line in answers.read_text().splitlines()]
+    answers.write_text("\n".join(map(json.dumps, records)))
+    error = refusal(runner.invoke(app, args))
+    assert f"none of the {len(all_labelled) - heldout} training answers is {kind}" in error, error
+
+
 def test_figures_without_held_out_answers_are_not_shown_as_zero(tmp_path):
     """Expected acceptance at T=1 is measured on sampled held-out answers: with none (every answer
     greedy here) it is not measured, and says so, rather than showing 0 while the draft learns."""

@@ -40,7 +40,7 @@ import torch
 from specdec_cli import display, records
 from specdec_cli.config import Config
 from specdec_cli.distill.corpus import ANSWERS, build_corpus, label_answers, read_answers, write_answers
-from specdec_cli.distill.settings import EAGLE3_LAYOUTS, FORMATS, DistillSettings, read_layers
+from specdec_cli.distill.settings import ANSWER_KINDS, EAGLE3_LAYOUTS, FORMATS, DistillSettings, read_layers
 from specdec_cli.distill.state import WORK, save
 from specdec_cli.distill.train import sample_tokens, split_given_heldout, split_heldout, train
 from specdec_cli.distill.writing import read_corpus
@@ -69,6 +69,8 @@ def distill(
     if settings.layout not in EAGLE3_LAYOUTS or (settings.layout != "specforge" and settings.format != "eagle3"):
         layouts = ", ".join(EAGLE3_LAYOUTS)
         raise SpecdecError(f"--layout {settings.layout}: EAGLE-3 drafts (--format eagle3) are saved as {layouts}")
+    if settings.trained_answers not in ANSWER_KINDS:
+        raise SpecdecError(f"--trained-answers {settings.trained_answers}: one of {', '.join(ANSWER_KINDS)}")
     if settings.heldout_answers and not answers:
         raise SpecdecError("--heldout-answers needs --answers: the target labels both in one pass")
     if cfg.runtime.threads:
@@ -133,12 +135,22 @@ def choose_answers(
     corpus: list[dict], settings: DistillSettings, others: list[dict] | None = None
 ) -> tuple[list[dict], list[dict]]:
     """The answers trained on and the held-out ones (from `others`, answers given apart, where given;
-    else a share of the corpus's given prompts'); with `training_tokens`, a seeded sample of that many
-    training answer tokens (the held-out answers chosen first, from them all)."""
+    else a share of the corpus's given prompts'); with `trained_answers`, only the greedy or only the
+    sampled training answers, and with `training_tokens`, a seeded sample of that many training answer
+    tokens (the held-out answers chosen first, from them all, so that runs differing in these are
+    measured on the same answers)."""
     if others is None:
         training, heldout = split_heldout(corpus, settings.heldout_prompts)
     else:
         training, heldout = split_given_heldout(corpus, others)
+    if settings.trained_answers != "all":
+        kind = [a for a in training if a["greedy"] == (settings.trained_answers == "greedy")]
+        if not kind:
+            raise SpecdecError(
+                f"no answers to train on: none of the {len(training)} training answers is {settings.trained_answers} "
+                '(answer files mark the target\'s greedy answers with "greedy": true)'
+            )
+        training = kind
     if settings.training_tokens:
         training = sample_tokens(training, settings.training_tokens, settings.seed)
     return training, heldout

@@ -8,6 +8,7 @@ from transformers import PreTrainedModel
 
 from specdec_cli.methods.feature.eagle import eagle3_layers
 
+ANSWER_KINDS = ("all", "greedy", "sampled")  # the answers trained on: every one, or only one kind
 FORMATS = ("specdec", "eagle3")  # the draft specdec trains, or EAGLE-3's (methods/feature/eagle3_export.py)
 EAGLE3_LAYOUTS = (
     "specforge",
@@ -39,6 +40,7 @@ class DistillSettings:
     learning_rate: float = 1e-3
     eval_every: int = 250
     training_tokens: int | None = None  # answer tokens trained on, a seeded sample (None: all)
+    trained_answers: str = "all"  # or "greedy" or "sampled": only the target's answers of that kind
     heldout_prompts: float = 0.1  # of the given prompts: their answers are never trained on
     heldout_answers: str | None = None  # a file of answers held out instead (to prompts unlike the training ones)
     seed: int = 0
