@@ -478,11 +478,20 @@ def test_a_resume_with_other_settings_is_refused(tmp_path):
     resumed = runner.invoke(app, [*args, "--training-steps", "3"])  # a longer schedule is the same training
     assert resumed.exit_code == 0, resumed.output
     assert torch.load(state_path, weights_only=True)["step"] == 3
+    # a state saved before a setting existed was shaped as its default shapes it: it resumes with that
+    state = torch.load(state_path, weights_only=True)
+    del state["trained_with"]["trained_answers"], state["trained_with"]["loss"]
+    torch.save(state, state_path)
+    error = refusal(runner.invoke(app, [*args, "--training-steps", "4", "--loss", "tv"]))
+    assert "with loss kl, this run loss tv" in error, error
+    resumed = runner.invoke(app, [*args, "--training-steps", "4"])
+    assert resumed.exit_code == 0, resumed.output
+    assert torch.load(state_path, weights_only=True)["step"] == 4
     # weights are loaded strictly: a state missing one of the draft's tensors is refused
     state = torch.load(state_path, weights_only=True)
     state["draft"].pop(next(iter(state["draft"])))
     torch.save(state, state_path)
-    assert "does not fit" in refusal(runner.invoke(app, [*args, "--training-steps", "4"]))
+    assert "does not fit" in refusal(runner.invoke(app, [*args, "--training-steps", "5"]))
 
 
 def test_training_on_total_variation_raises_the_acceptance_it_measures(tmp_path):

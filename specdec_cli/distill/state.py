@@ -98,10 +98,13 @@ def resume(
     """Loads a saved training state into the draft, optimizer and schedule: the step and log it reached."""
     state = load_kept(path)
     saved = state.get("trained_with", {}) if isinstance(state, dict) else {}
+    # a setting added since the state was saved shaped it as its default does (what the run had then)
+    defaults = vars(DistillSettings())
     for key, value in shaped_by.items():
-        if saved.get(key) != value:
+        was = saved.get(key, defaults.get(key, "(not recorded)"))
+        if was != value:
             raise SpecdecError(
-                f"{path} holds training with {key} {saved.get(key, '(not recorded)')}, this run {key} {value}: "
+                f"{path} holds training with {key} {was}, this run {key} {value}: "
                 "run with the same settings, use another --out, or delete that file to train anew on the kept corpus"
             )
     try:
