@@ -36,11 +36,11 @@ from specdec_cli.distill.corpus import (
     target_states,
     write_answers,
 )
+from specdec_cli.distill.memory import release_freed_memory
 from specdec_cli.distill.state import load_kept
 from specdec_cli.distill.train import (
     HELDOUT_MOST,
     draft_log_probs,
-    release_freed_memory,
     sample_tokens,
     split_heldout,
 )

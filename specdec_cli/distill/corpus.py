@@ -14,6 +14,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdec_cli import display
 from specdec_cli.distill.batches import pad_right
+from specdec_cli.distill.memory import release_freed_memory
 from specdec_cli.distill.settings import DistillSettings
 from specdec_cli.distill.state import load_kept, save_whole
 from specdec_cli.errors import SpecdecError
@@ -257,6 +258,7 @@ def label_answers(
             save_whole(states, states_path(work, layers, number))
             save_whole(shard, path)
             labelled += shard
+            release_freed_memory()
     return labelled
 
 

@@ -3,10 +3,8 @@ as the 1st, 2nd ... token of a draft, and is measured on held-out answers as it 
 
 from __future__ import annotations
 
-import ctypes
 import math
 import random
-import sys
 from pathlib import Path
 
 import torch
@@ -15,6 +13,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from specdec_cli import display
 from specdec_cli.distill.batches import Batch, batches, make_batch
 from specdec_cli.distill.corpus import add_target_features
+from specdec_cli.distill.memory import release_freed_memory
 from specdec_cli.distill.settings import DistillSettings, read_layers
 from specdec_cli.distill.state import resume, save_state, state_path, trained_with
 from specdec_cli.errors import SpecdecError
@@ -156,16 +155,6 @@ def train(
             raise
     draft.eval()
     return draft, log
-
-
-def release_freed_memory() -> None:
-    """Returns the heap's free pages to the system (glibc's malloc_trim). Every batch has its own
-    length, so tensors of new sizes land between live ones and glibc keeps the freed pages around
-    them: without this a long run's memory grows to several times what its tensors hold."""
-    if sys.platform.startswith("linux"):
-        trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # absent outside glibc (musl)
-        if trim is not None:
-            trim(0)
 
 
 def new_draft(
