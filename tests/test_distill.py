@@ -38,12 +38,7 @@ from specdec_cli.distill.corpus import (
 )
 from specdec_cli.distill.memory import release_freed_memory
 from specdec_cli.distill.state import load_kept
-from specdec_cli.distill.train import (
-    HELDOUT_MOST,
-    draft_log_probs,
-    sample_tokens,
-    split_heldout,
-)
+from specdec_cli.distill.train import HELDOUT_MOST, draft_log_probs, sample_tokens, split_heldout
 from specdec_cli.errors import EXIT_BAD_INPUT
 from specdec_cli.loading.checkpoints import load_model
 from specdec_cli.loading.tokens import encode_prompt, padding_id
