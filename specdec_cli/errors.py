@@ -6,9 +6,10 @@ import re
 import sys
 from pathlib import Path
 
-EXIT_BAD_INPUT = 2  # malformed config, bad flags, missing checkpoint, empty prompt, out of memory
+EXIT_BAD_INPUT = 2  # bad input (config, flags, files) or environment (out of memory, unwritable, disk full)
 EXIT_CHECK_FAILED = 3  # a statistical or greedy-identity check failed (verify-distribution)
 EXIT_GATE_FAILED = 4  # a benchmark gate (--min-speedup, --min-accept-length) was not met
+EXIT_INTERRUPTED = 130  # Ctrl-C or SIGTERM, as shells report a SIGINT
 
 
 class SpecdecError(Exception):
@@ -21,6 +22,27 @@ class SpecdecError(Exception):
 
 class FetchError(SpecdecError):
     """A checkpoint that could not be downloaded (no registry or hub reachable from here)."""
+
+
+MESSAGE_LIMIT = 400  # characters of an `Error:` line: a hostile input must not print megabytes
+
+
+def one_line(text: str, limit: int = MESSAGE_LIMIT) -> str:
+    """`text` on one line, cut to `limit` characters with a note of how much was left out."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit:,} more characters)"
+
+
+def known_failure(exc: Exception) -> SpecdecError | None:
+    """A failure that is the user's input or the machine's state, not a bug: specdec's own errors, out
+    of memory, and the operating system refusing a file or a stream (missing, unwritable, read-only,
+    disk full, name too long). None for anything else."""
+    if isinstance(exc, SpecdecError):
+        return exc
+    if isinstance(exc, OSError) and exc.strerror:
+        where = f": {exc.filename}" if exc.filename else ""
+        return SpecdecError(f"{exc.strerror}{where}")
+    return out_of_memory(exc)
 
 
 def out_of_memory(exc: Exception) -> SpecdecError | None:
@@ -54,7 +76,8 @@ def read_text(what: str, path: Path | None = None) -> str:
     is missing or unreadable, or bytes that are not UTF-8, are one line instead of a traceback."""
     source = f"{what} {path}" if path else what
     try:
-        return path.read_text(encoding="utf-8") if path else sys.stdin.read()
+        # stdin's bytes, decoded here: Python's own decoding of stdin lets undecodable bytes through
+        return path.read_text(encoding="utf-8") if path else sys.stdin.buffer.read().decode("utf-8")
     except FileNotFoundError:
         raise SpecdecError(f"{source} not found") from None
     except OSError as exc:

@@ -239,9 +239,11 @@ def test_verify_catches_a_row_reading_another_rows_acceptance(batch_pair, monkey
     assert failures(4)  # rows of a batch: the checks fail
 
 
-def test_the_hf_peer_at_batch_sizes_is_plain_batched_generate(write_config):
+def test_the_hf_peer_at_batch_sizes_is_plain_batched_generate(write_config, tmp_path):
     config = str(write_config({"generation": {"max_new_tokens": 8, "ignore_eos": True}}))
-    options = "--peer hf --batch-sizes 2 --temperatures 0 --warmup 0 --category qa --json".split()
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("What is a river?\nName two colours.\n")
+    options = f"--peer hf --batch-sizes 2 --temperatures 0 --warmup 0 --prompts {prompts} --json".split()
     run = runner.invoke(app, ["benchmark", "-c", config, *options])
     assert run.exit_code == 0, run.output
     record = json.loads(run.stdout)

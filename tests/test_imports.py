@@ -50,7 +50,7 @@ FLOORS = [
     ("loading", ["loading"]),
     ("config", ["config"]),
     ("core", ["decoding"]),
-    ("shared", ["records", "display", "errors"]),
+    ("shared", ["records", "display", "errors", "interrupts"]),
 ]
 
 

@@ -36,12 +36,13 @@ import shutil
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specdec_cli import display, records
 from specdec_cli.config import Config
 from specdec_cli.distill.corpus import ANSWERS, build_corpus, label_answers, read_answers, write_answers
 from specdec_cli.distill.settings import ANSWER_KINDS, EAGLE3_LAYOUTS, FORMATS, DistillSettings, read_layers
-from specdec_cli.distill.state import WORK, save
+from specdec_cli.distill.state import WORK, claimed, save
 from specdec_cli.distill.train import sample_tokens, split_given_heldout, split_heldout, train
 from specdec_cli.distill.writing import read_corpus
 from specdec_cli.errors import SpecdecError
@@ -63,7 +64,8 @@ def distill(
     run: records.Run,
 ) -> None:
     """The whole command: corpus (written by the target, or the `answers` files and corpus folders it
-    labels, together), training, the saved draft and its record."""
+    labels, together), training, the saved draft and its record. What cannot work is refused before
+    `out` is made; from then on `out` is held by this run alone."""
     if settings.format not in FORMATS:
         raise SpecdecError(f"unknown draft format {settings.format!r} (specdec distills {', '.join(FORMATS)})")
     if settings.layout not in EAGLE3_LAYOUTS or (settings.layout != "specforge" and settings.format != "eagle3"):
@@ -85,6 +87,21 @@ def distill(
     if settings.format == "eagle3":
         eagle3_export.check_taps(read_layers(settings, target), target.config.num_hidden_layers)
     starting_layers(target.config, settings.num_layers, settings.init_layers)
+    with claimed(out):
+        distill_into(cfg, target, tokenizer, prompts, settings, out, keep_work, answers, run)
+
+
+def distill_into(
+    cfg: Config,
+    target: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    settings: DistillSettings,
+    out: Path,
+    keep_work: bool,
+    answers: list[Path],
+    run: records.Run,
+) -> None:
     work = out / WORK  # corpus and training state: what a resumed run continues from
     work.mkdir(parents=True, exist_ok=True)
     if answers:
@@ -115,20 +132,17 @@ def distill(
     save(draft, target, tokenizer, out, cfg.target.describe(), log, settings)
     if not keep_work:
         shutil.rmtree(work)
-    written = run.write(
-        "distill",
-        cfg.name,
-        {
-            **records.header("distill", cfg),
-            "out": str(out),
-            "answers": [str(path) for path in answers],  # the files and folders labelled, if any
-            "corpus_answers": len(corpus),  # held out and trained on
-            "corpus_answer_tokens": sum(len(a["answer"]) for a in corpus),
-            "settings": vars(settings),
-            "log": log,
-        },
-    )
-    display.stderr.print(f"Draft saved to {out}: name it as `draft: {{checkpoint: {out}}}`. {written}")
+    record = {
+        **records.header("distill", cfg),
+        "out": str(out),
+        "answers": [str(path) for path in answers],  # the files and folders labelled, if any
+        "corpus_answers": len(corpus),  # held out and trained on
+        "corpus_answer_tokens": sum(len(a["answer"]) for a in corpus),
+        "settings": vars(settings),
+        "log": log,
+    }
+    saved = f"Draft saved to {out}: name it as `draft: {{checkpoint: {out}}}`."
+    run.finish("distill", cfg.name, record, lambda: display.stderr.print(saved))
 
 
 def choose_answers(

@@ -3,9 +3,13 @@ training state a stopped run resumes from (with the settings that shaped it), an
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import os
 import pickle
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -20,6 +24,30 @@ from specdec_cli.methods.feature.draft import EMBEDDING, own_weights, save_draft
 
 WORK = "distill-work"  # subfolder of the output: corpus and training state until training ends
 STATE = "train-state.pt"  # (train-state-eagle3.pt for an EAGLE-3 draft)
+LOCK = ".distill.lock"  # held by the run writing to the output folder
+
+
+@contextmanager
+def claimed(out: Path) -> Iterator[None]:
+    """The output folder, created if missing and held by this run alone: a second distill into it is
+    refused at once (the two would overwrite each other's corpus, state and draft). The lock ends
+    with the process, however it ends."""
+    if out.exists() and not out.is_dir():
+        raise SpecdecError(f"--out {out} is a file: name a folder for the draft")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        handle = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise SpecdecError(f"cannot write the draft to --out {out}: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(handle)
+        raise SpecdecError(f"another specdec distill is writing to {out}: wait for it, or use another --out") from None
+    try:
+        yield
+    finally:
+        os.close(handle)
 
 
 def save_whole(obj, path: Path) -> None:

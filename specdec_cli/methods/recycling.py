@@ -44,6 +44,15 @@ def template(shape: TreeShape) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(parents), tuple(ranks)
 
 
+def last_occurrences(rows: torch.Tensor, sink: int) -> torch.Tensor:
+    """`rows` [n] with every occurrence of a row but its last sent to `sink`: index_copy_ with duplicate
+    indices leaves the winner undefined on CUDA, so a row could mix two top-k lists (and propose
+    duplicate siblings, breaking the tree rule). Comparisons on the device: no host sync."""
+    later = torch.ones(len(rows), len(rows), dtype=torch.bool, device=rows.device).triu(1)
+    repeated_later = ((rows[:, None] == rows[None, :]) & later).any(dim=1)
+    return torch.where(repeated_later, sink, rows)
+
+
 class RecyclingDrafter(Drafter):
     observes = True
 
@@ -63,7 +72,7 @@ class RecyclingDrafter(Drafter):
     def observe(self, inputs: torch.Tensor, logits: torch.Tensor) -> None:
         """A verification's inputs [B, n] (-1 where a position held no token) and the target's logits
         after each [B, n, V]: each input token's candidates become the target's top ones there."""
-        rows = torch.where(inputs >= 0, inputs, self.vocab_size).flatten()
+        rows = last_occurrences(torch.where(inputs >= 0, inputs, self.vocab_size).flatten(), self.vocab_size)
         ranked = logits[..., : self.vocab_size].topk(self.table.shape[1], dim=-1).indices
         self.table.index_copy_(0, rows, ranked.flatten(0, 1))
 
