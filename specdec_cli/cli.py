@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import signal
+import os
 import sys
 from enum import Enum
 from pathlib import Path
@@ -10,11 +10,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from specdec_cli import records
+from specdec_cli import interrupts, records
 from specdec_cli.bench.plan import choose_prompts, make_plan, parse_list
 from specdec_cli.bench.prompts import Prompt, load_prompts
 from specdec_cli.config import parse_tree
-from specdec_cli.errors import SpecdecError
+from specdec_cli.errors import EXIT_BAD_INPUT, SpecdecError, one_line
 from specdec_cli.options import (
     EXIT_INTERRUPTED,
     CategoryOpt,
@@ -38,6 +38,7 @@ from specdec_cli.options import (
     TopPOpt,
     TreeOpt,
     VerificationOpt,
+    WeightsOpt,
     configure,
     read_prompt,
     reports_errors,
@@ -151,6 +152,7 @@ def generate(
     ignore_eos: IgnoreEosOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
+    weights: WeightsOpt = None,
     threads: ThreadsOpt = None,
     cuda_graphs: CudaGraphsOpt = None,
     as_json: JsonOpt = False,
@@ -174,6 +176,7 @@ def generate(
         generation__ignore_eos=ignore_eos,
         runtime__device=device,
         runtime__dtype=dtype,
+        runtime__weights=weights,
         runtime__threads=threads,
         runtime__cuda_graphs=cuda_graphs,
     )
@@ -274,6 +277,7 @@ def benchmark(
     ] = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
+    weights: WeightsOpt = None,
     threads: ThreadsOpt = None,
     cuda_graphs: CudaGraphsOpt = None,
     as_json: JsonOpt = False,
@@ -291,6 +295,7 @@ def benchmark(
         generation__ignore_eos=ignore_eos,
         runtime__device=device,
         runtime__dtype=dtype,
+        runtime__weights=weights,
         runtime__threads=threads,
         runtime__cuda_graphs=cuda_graphs,
     )
@@ -307,6 +312,11 @@ def benchmark(
         engine.value,
     )
     selected = choose_prompts(prompts, category, limit)
+    if max(plan.batch_sizes) > len(selected):
+        raise SpecdecError(
+            f"--batch-sizes {max(plan.batch_sizes)}: more rows than the {len(selected)} prompts selected "
+            f"(a batch holds distinct prompts: choose sizes up to {len(selected)}, or more prompts)"
+        )
     from specdec_cli.commands.benchmark import execute  # torch/transformers load only once arguments are fine
 
     execute(cfg, selected, plan, Run(runs_dir, record, as_json), min_speedup, min_accept_length)
@@ -354,6 +364,7 @@ def tune(
     ] = 1,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
+    weights: WeightsOpt = None,
     threads: ThreadsOpt = None,
     as_json: JsonOpt = False,
     runs_dir: RunsDirOpt = None,
@@ -372,6 +383,7 @@ def tune(
         generation__ignore_eos=ignore_eos,
         runtime__device=device,
         runtime__dtype=dtype,
+        runtime__weights=weights,
         runtime__threads=threads,
     )
     sizes = sorted(set(parse_list(batch_sizes, int, "--batch-sizes")))
@@ -445,6 +457,7 @@ def verify_distribution(
     max_new_tokens: MaxNewOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
+    weights: WeightsOpt = None,
     threads: ThreadsOpt = None,
     as_json: JsonOpt = False,
     runs_dir: RunsDirOpt = None,
@@ -471,6 +484,7 @@ def verify_distribution(
         generation__max_new_tokens=max_new_tokens,
         runtime__device=device,
         runtime__dtype=dtype,
+        runtime__weights=weights,
         runtime__threads=threads,
     )
     run_verification(cfg, prompt or [], samples, significance, Run(runs_dir, record, as_json), batch_size)
@@ -610,6 +624,7 @@ def distill(
         ),
     ] = None,
     threads: ThreadsOpt = None,
+    as_json: JsonOpt = False,
     keep_work: Annotated[
         bool,
         typer.Option(
@@ -662,7 +677,7 @@ def distill(
         format=draft_format.value,
         layout=layout.value,
     )
-    distillation.distill(cfg, texts, settings, out, keep_work, answers or [], Run(runs_dir, record))
+    distillation.distill(cfg, texts, settings, out, keep_work, answers or [], Run(runs_dir, record, as_json))
 
 
 def parse_count(text: str, flag: str) -> int:
@@ -772,22 +787,24 @@ def setup_vllm() -> None:
     print(f"vLLM is set up: {python}")
 
 
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
 def main() -> None:
-    """Entry point: usage errors (unknown flags, unparsable values) also become one `Error:` line."""
+    """Entry point: usage errors (unknown flags, unparsable values) also become one `Error:` line, and
+    so does a stdout that cannot be written (a full disk, a closed pipe)."""
     if len(sys.argv) == 1:
         sys.argv.append("--help")
-    # `timeout`, `kill` and CI runners stop a job with SIGTERM: keep what Ctrl-C keeps (a benchmark's
-    # finished prompts, distill's training state) instead of dying mid-write
-    signal.signal(signal.SIGTERM, _interrupt)
+    interrupts.install()  # SIGTERM keeps what Ctrl-C keeps; a second signal does not cut the save short
     try:
         code = app(standalone_mode=False)
     except typer.Abort:
         code = EXIT_INTERRUPTED
     except typer.TyperException as exc:  # typer's parsing errors (its vendored click exceptions)
-        print(f"Error: {exc.format_message()} (see --help)", file=sys.stderr)
+        print(f"Error: {one_line(exc.format_message())} (see --help)", file=sys.stderr)
         code = exc.exit_code
+    try:
+        sys.stdout.flush()  # here, not at exit, where a failure would be a traceback and exit 120
+    except OSError as exc:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        if not code:  # else the command has said what failed
+            print(f"Error: cannot write to stdout: {exc.strerror or exc}", file=sys.stderr)
+            code = EXIT_BAD_INPUT
     sys.exit(code or 0)

@@ -35,6 +35,7 @@ def builtin_configs() -> Path:
 BUILTIN_CONFIGS = builtin_configs()
 DEFAULT_CONFIG = "smollm2-draft"  # name of a file in BUILTIN_CONFIGS
 VERIFICATIONS = ("token", "block")  # speculation.verification
+WEIGHTS = ("auto", "float", "int8", "int4")  # runtime.weights
 
 
 @dataclass
@@ -200,6 +201,9 @@ class Generation:
 class Runtime:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    # auto | float | int8 | int4: the linear layers' weights as products read them (loading/quantized.py);
+    # auto: float
+    weights: str = "auto"
     threads: int | None = None  # CPU threads for torch; None keeps torch's default
     # off | on | auto (on where the device is a GPU): decoding forwards replay CUDA graphs
     # (decoding/graphs.py); off by default until GPU runs have shown them exact and faster
@@ -319,10 +323,23 @@ def find_config(name_or_path: str | None) -> Path:
     raise SpecdecError(f"config not found: {name} (not a file, nor a name in ./configs/ or built in: {builtin})")
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (which it would read as the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key, _ in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.value != "<<":
+                if key.value in seen:
+                    raise yaml.MarkedYAMLError(problem=f"duplicate key {key.value!r}", problem_mark=key.start_mark)
+                seen.add(key.value)
+        return super().construct_mapping(node, deep)
+
+
 def load_config(name_or_path: str | None) -> Config:
     path = find_config(name_or_path)
     try:
-        data = yaml.safe_load(read_text("config", path))
+        data = yaml.load(read_text("config", path), Loader=UniqueKeyLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -424,6 +441,8 @@ def check_runtime(r: Runtime) -> None:
         raise SpecdecError(f"dtype must be auto, float32, bfloat16 or float16, got {r.dtype!r}")
     if r.cuda_graphs not in ("off", "on", "auto"):
         raise SpecdecError(f"cuda_graphs must be off, on or auto, got {r.cuda_graphs!r}")
+    if r.weights not in WEIGHTS:
+        raise SpecdecError(f"weights must be {', '.join(WEIGHTS[:-1])} or {WEIGHTS[-1]}, got {r.weights!r}")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", r.device):
         raise SpecdecError(f"device must be auto, cpu, cuda or cuda:N, got {r.device!r}")
     cpus = os.cpu_count() or 1

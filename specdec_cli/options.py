@@ -11,9 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from specdec_cli.config import DEFAULT_CONFIG, Config, apply_overrides, load_config, parse_tree
-from specdec_cli.errors import SpecdecError, out_of_memory, read_text
-
-EXIT_INTERRUPTED = 130
+from specdec_cli.errors import EXIT_INTERRUPTED, SpecdecError, known_failure, one_line, read_text
 
 # Options shared by every command. A flag overrides the YAML when given, including 0 and false.
 ConfigOpt = Annotated[
@@ -60,14 +58,20 @@ IgnoreEosOpt = Annotated[
 ]
 DeviceOpt = Annotated[Optional[str], typer.Option(help="auto, cpu, cuda or cuda:N.")]
 DtypeOpt = Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16.")]
+WeightsOpt = Annotated[
+    Optional[str],
+    typer.Option(help="The linear layers' weights: auto, float, int8 or int4 (quantized at load; CPU)."),
+]
 ThreadsOpt = Annotated[Optional[int], typer.Option(help="CPU threads for torch.")]
 CudaGraphsOpt = Annotated[
     Optional[str], typer.Option(help="off, on or auto (on for a GPU): decoding forwards replay CUDA graphs.")
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON record to stdout, nothing else.")]
 RunsDirOpt = Annotated[
-    Optional[Path],
-    typer.Option(help="Folder for run records (default: $SPECDEC_RUNS_DIR, else ./runs).", show_default=False),
+    Optional[str],  # not Path: Path("") is ".", and an empty --runs-dir is refused, not read as the working directory
+    typer.Option(
+        metavar="DIR", help="Folder for run records (default: $SPECDEC_RUNS_DIR, else ./runs).", show_default=False
+    ),
 ]
 RecordOpt = Annotated[bool, typer.Option("--record/--no-record", help="Write the run's record (and report).")]
 
@@ -88,8 +92,8 @@ def reports_errors(command):
         except Exception as exc:
             if os.environ.get("SPECDEC_DEBUG"):
                 raise
-            known = exc if isinstance(exc, SpecdecError) else out_of_memory(exc)
-            message = " ".join(str(known).split()) if known else f"{type(exc).__name__}: {exc}"
+            known = known_failure(exc)
+            message = one_line(str(known) if known else f"{type(exc).__name__}: {exc}")
             hint = "" if known else " (internal error; set SPECDEC_DEBUG=1 for the traceback)"
             print(f"Error: {message}{hint}", file=sys.stderr)
             raise typer.Exit(known.exit_code if known else 1) from None

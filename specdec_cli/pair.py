@@ -18,9 +18,10 @@ from specdec_cli.decoding.engine import SpeculativeDecoder
 from specdec_cli.decoding.params import SamplingParams, TreeShape
 from specdec_cli.decoding.verification import chain_rule
 from specdec_cli.errors import SpecdecError
-from specdec_cli.loading.checkpoints import load_model
+from specdec_cli.loading.checkpoints import check_embedding, load_model
 from specdec_cli.loading.decode_matmul import PROCESS_CHOICE
 from specdec_cli.loading.draft_folder import Wiring
+from specdec_cli.loading.quantized import KINDS as QUANTIZED
 from specdec_cli.loading.target_states import LAST
 from specdec_cli.loading.tokens import encode_prompt, eos_token_ids
 from specdec_cli.methods.context import ContextDrafter
@@ -56,6 +57,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def resolve_weights(name: str, device: torch.device) -> str:
+    """runtime.weights as the products take them: auto is float; int8 and int4 are torch's CPU kernels."""
+    if name in QUANTIZED and device.type != "cpu":
+        raise SpecdecError(f"weights: {name} runs on a CPU (torch's quantized CPU kernels); on {device} use float")
+    return "float" if name == "auto" else name
+
+
 @dataclass
 class Pair:
     config: Config
@@ -66,6 +74,7 @@ class Pair:
     drafter: Drafter
     device: torch.device
     dtype: torch.dtype
+    weights: str  # float, int8 or int4: how the target's and the draft's products read their weights
     draft_description: str | None = None  # the draft's format and the target states it reads
     lookup: ContextDrafter | None = None  # prompt lookup or suffix decoding ahead of the drafter
     causal_draft: PreTrainedModel | None = None  # the draft, where it is a causal LM drafting from tokens alone
@@ -117,6 +126,7 @@ class Pair:
             "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
             "dtype": str(self.dtype).removeprefix("torch."),
+            "weights": self.weights,
             "threads": torch.get_num_threads(),
             "cuda_graphs": self.target.graphed is not None,
             # which product served the CPU matmuls (decode_matmul.py); None elsewhere
@@ -162,11 +172,15 @@ def check_tokenizers(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizer
 
 
 def load_checkpoint(
-    spec: ModelSpec, device: torch.device, dtype: torch.dtype, target: PreTrainedModel | None = None
+    spec: ModelSpec,
+    device: torch.device,
+    dtype: torch.dtype,
+    target: PreTrainedModel | None = None,
+    weights: str = "float",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     """A target or a draft: in a draft format of methods/ (recognised from the folder), else
-    transformers' checkpoint. `target` is given when loading a draft."""
-    return load_model(spec, device, dtype, target, read_format=load_format)
+    transformers' checkpoint. `target` is given when loading a draft; `weights`: float, int8 or int4."""
+    return load_model(spec, device, dtype, target, read_format=load_format, weights=weights)
 
 
 def suffix_drafter(settings: SuffixSettings, vocab_size: int, device: torch.device) -> SuffixDrafter:
@@ -183,7 +197,9 @@ def load_pair(config: Config) -> Pair:
     if runtime.cuda_graphs == "on" and device.type != "cuda":
         raise SpecdecError(f"cuda_graphs: on needs a CUDA device, and the device is {device}")
     graphs = runtime.cuda_graphs != "off" and device.type == "cuda"
-    model, tokenizer = load_checkpoint(config.target, device, dtype)
+    weights = resolve_weights(runtime.weights, device)
+    model, tokenizer = load_checkpoint(config.target, device, dtype, weights=weights)
+    check_embedding(model, tokenizer, f"target {config.target.describe()}")
     vocab_size = model.get_output_embeddings().out_features
     state_layers, description, lookup, causal_draft = LAST, None, None, None
     threshold = config.speculation.confidence_threshold
@@ -194,11 +210,12 @@ def load_pair(config: Config) -> Pair:
     elif not config.draft.has_model:
         drafter = suffix_drafter(config.draft.suffix, vocab_size, device)
     else:
-        draft_model, draft_tokenizer = load_checkpoint(config.draft, device, dtype, target=model)
+        draft_model, draft_tokenizer = load_checkpoint(config.draft, device, dtype, target=model, weights=weights)
         if draft_tokenizer is not None:  # a draft without one (EAGLE's) uses the target's
             check_tokenizers(tokenizer, draft_tokenizer)
         kind = getattr(draft_model.config, DRAFT_FORMAT, None)
-        if kind is None:  # a causal LM drafts from tokens alone
+        if kind is None:  # a causal LM drafts from tokens alone: every token the target writes
+            check_embedding(draft_model, tokenizer, f"draft {config.draft.describe()}")
             causal_draft = draft_model
             wiring = Wiring(
                 ModelDrafter(CachedModel(draft_model, vocab_size, graphs=graphs), threshold), LAST, "reads tokens only"
@@ -217,4 +234,4 @@ def load_pair(config: Config) -> Pair:
             "or EAGLE draft): this draft proposes its block at once"
         )
     target = CachedModel(model, vocab_size, state_layers, graphs)
-    return Pair(config, tokenizer, target, drafter, device, dtype, description, lookup, causal_draft)
+    return Pair(config, tokenizer, target, drafter, device, dtype, weights, description, lookup, causal_draft)

@@ -37,7 +37,7 @@ from transformers import (
 )
 
 from specdec_cli.config import ModelSpec, TinyModel, cache_dir, local_path
-from specdec_cli.errors import FetchError, SpecdecError
+from specdec_cli.errors import FetchError, SpecdecError, out_of_memory
 from specdec_cli.loading.decode_matmul import PROCESS_CHOICE
 from specdec_cli.loading.draft_folder import WEIGHTS, index_files, tier_files
 from specdec_cli.loading.llama_forward import attach
@@ -79,12 +79,14 @@ def load_model(
     dtype: torch.dtype,
     target: PreTrainedModel | None = None,
     read_format: ReadFormat | None = None,
+    weights: str = "float",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     """`target` is given when loading a draft: a distilled or EAGLE draft borrows its tensors. The
     tokenizer is None for a draft folder that ships none (it uses the target's). `read_format` loads
-    a folder in a draft format of its own (without it: transformers' checkpoints only)."""
+    a folder in a draft format of its own (without it: transformers' checkpoints only). `weights`:
+    float, or int8 or int4 for products of quantized weights (loading/quantized.py)."""
     model, tokenizer = _load(spec, device, dtype, target, read_format)
-    PROCESS_CHOICE.route(model)  # decoding feeds 1 to a few tokens at a time: see decode_matmul.py
+    PROCESS_CHOICE.route(model, weights)  # decoding feeds 1 to a few tokens at a time: see decode_matmul.py
     attach(model)
     return model, tokenizer
 
@@ -97,6 +99,7 @@ def _load(
     read_format: ReadFormat | None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     transformers.utils.logging.disable_progress_bar()  # specdec shows its own status on stderr
+    transformers.utils.logging.set_verbosity_error()  # its loading report would stand before specdec's Error: line
     huggingface_hub.utils.logging.set_verbosity_error()  # one Error: line, not a log of hub retries
     if spec.tiny is not None:
         model, tokenizer = build_tiny(spec.tiny), byte_tokenizer()
@@ -113,7 +116,21 @@ def _load(
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
     except (OSError, ValueError) as exc:
         raise SpecdecError(f"cannot load checkpoint {spec.checkpoint!r}: {first_lines(exc)}") from None
+    except RuntimeError as exc:  # weights whose shapes disagree with config.json, among others
+        mismatch = "mismatched_sizes" in str(exc)  # transformers' report of it is silenced above
+        problem = "its config.json disagrees with the shapes of its weights" if mismatch else first_lines(exc)
+        raise out_of_memory(exc) or SpecdecError(f"cannot load checkpoint {spec.checkpoint!r}: {problem}") from None
     return model.to(device).eval(), tokenizer
+
+
+def check_embedding(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str) -> None:
+    """Every token id the tokenizer gives has a row in the model's embedding: else a prompt or a
+    generated token fails mid-run."""
+    rows = model.get_input_embeddings().num_embeddings
+    if rows < len(tokenizer):
+        raise SpecdecError(
+            f"{name}: its embedding has {rows} rows, fewer than the {len(tokenizer)} tokens of the tokenizer"
+        )
 
 
 def folder_tokenizer(folder: Path, kwargs: dict) -> PreTrainedTokenizerBase | None:

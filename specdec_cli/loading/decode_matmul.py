@@ -39,6 +39,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from specdec_cli.loading import quantized
+
 MAX_ROWS = 8  # beyond this the turned-round product was as fast as F.linear or slower
 TIMED_BYTES = 256 * 2**20  # weights timed: enough to stream from memory, as in a forward
 NARROW_ROWS = (1, 4)  # a target-only decoding step and a verification block of 3 draft tokens
@@ -174,13 +176,21 @@ def copies_of(chosen: Chosen | None, weight: torch.Tensor) -> tuple:
     return narrow, narrow if chosen.wide == chosen.narrow == PACKED else copy_for(chosen.wide, weight, wide=True)
 
 
+def copies_for(choice: MatmulChoice, weight: torch.Tensor, weights: str) -> tuple:
+    """The copies the products read: the chosen ways' for float weights, else the quantized weight."""
+    if weights in quantized.KINDS:
+        copy = quantized.quantize(weight, weights)
+        return copy, copy
+    return copies_of(choice.chosen.get(weight.dtype), weight)
+
+
 class Linear:
     """A linear layer's forward through the process's choice: `module.forward = Linear(choice, module)`.
-    Holds the copies of a frozen weight that the chosen ways read."""
+    Holds the copies of a frozen weight that the chosen ways read (`weights`: float, int8 or int4)."""
 
-    def __init__(self, choice: MatmulChoice, module: torch.nn.Module):
+    def __init__(self, choice: MatmulChoice, module: torch.nn.Module, weights: str = "float"):
         self.choice, self.module = choice, module
-        self.copies = copies_of(choice.chosen.get(module.weight.dtype), module.weight)
+        self.copies = copies_for(choice, module.weight, weights)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.choice.linear(x, self.module.weight, self.module.bias, self.copies)
@@ -194,7 +204,7 @@ class Siblings:
     Under torch.compile (inductor fuses on its own) or with gradients each layer takes its own
     product."""
 
-    def __init__(self, choice: MatmulChoice, modules: list[torch.nn.Module]):
+    def __init__(self, choice: MatmulChoice, modules: list[torch.nn.Module], weights: str = "float"):
         self.choice, self.modules = choice, modules
         self.sizes = [m.weight.shape[0] for m in modules]
         self.weight = torch.cat([m.weight for m in modules])
@@ -205,7 +215,7 @@ class Siblings:
             if bias is not None:
                 module.bias = torch.nn.Parameter(bias, requires_grad=False)
             module.forward = SiblingForward(self, index)
-        self.copies = copies_of(choice.chosen.get(self.weight.dtype), self.weight)
+        self.copies = copies_for(choice, self.weight, weights)
         self.input: torch.Tensor | None = None
         self.parts: list[torch.Tensor | None] = []
 
@@ -267,6 +277,8 @@ class MatmulChoice:
         bias: torch.Tensor | None = None,
         copies: tuple = (None, None),
     ) -> torch.Tensor:
+        if isinstance(copies[0], quantized.Quantized) and not (torch.is_grad_enabled() and x.requires_grad):
+            return quantized.product(x, copies[0], bias)
         chosen = self.chosen.get(weight.dtype) if x.device.type == "cpu" and x.dtype == weight.dtype else None
         if chosen is None or torch.is_autocast_enabled("cpu") or (torch.is_grad_enabled() and x.requires_grad):
             return F.linear(x, weight, bias)
@@ -282,10 +294,10 @@ class MatmulChoice:
             return detour(x, weight, bias)
         return F.linear(x, weight, bias)
 
-    def route(self, model: torch.nn.Module) -> None:
+    def route(self, model: torch.nn.Module, weights: str = "float") -> None:
         """Freeze a CPU float32 or bfloat16 model and route its linear layers through the chosen product
         (measured over this model's weights if it is the first of its dtype), sibling projections as
-        one product."""
+        one product; with `weights` int8 or int4, through quantized products (loading/quantized.py)."""
         parameter = next(model.parameters(), None)
         if parameter is None or parameter.device.type != "cpu" or parameter.dtype not in CHOSEN_DTYPES:
             return
@@ -294,6 +306,14 @@ class MatmulChoice:
             m for m in model.modules() if isinstance(m, torch.nn.Linear) or getattr(m, "routed_as_linear", False)
         ]
         groups = sibling_groups(model)
+        if weights in quantized.KINDS:
+            fused = {id(m) for group in groups for m in group}
+            for group in groups:
+                Siblings(self, group, weights)
+            for module in linears:
+                if id(module) not in fused:
+                    module.forward = Linear(self, module, weights)
+            return
         if parameter.dtype not in self.chosen and linears:
             weights, room = timed_weights(linears, groups), room_for_copies(linears)
             onednn = [pack(w) for w in weights] if room else None  # one copy serves every row count
