@@ -15,7 +15,7 @@ from specdec_cli.cli import app
 from specdec_cli.commands.verify import checks, statistics
 from specdec_cli.config import parse_config
 from specdec_cli.decoding import sampling
-from specdec_cli.decoding.cache import CachedModel
+from specdec_cli.decoding.cache import EAGER_KEY_SLOTS_STEP, CachedModel
 from specdec_cli.decoding.engine import SpeculativeDecoder
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.errors import EXIT_BAD_INPUT
@@ -76,9 +76,9 @@ def test_preallocation_is_bounded_by_the_batch(tiny_target, tokenizer):
     target = cached(tiny_target)
     SpeculativeDecoder(target, ModelDrafter(cached(tiny_target)), GREEDY, 4, set()).generate_batch(prompts, 16, 0)
     keys = target.cache.layers[0].keys
-    assert (
-        keys.shape[2] == max(map(len, prompts)) + 16 + 4 + 1 + 1
-    )  # prompt + max_new_tokens + num_draft_tokens + 1, scratch
+    needed = max(map(len, prompts)) + 16 + 4 + 1  # prompt + max_new_tokens + num_draft_tokens + 1
+    # in whole steps of the slots attention reads, and the scratch slot
+    assert keys.shape[2] == -(-needed // EAGER_KEY_SLOTS_STEP) * EAGER_KEY_SLOTS_STEP + 1
     assert keys.shape[0] <= len(prompts)  # rows that stopped have left
 
 

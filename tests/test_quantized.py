@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from conftest import failing
 
 from specdec_cli.commands.verify import checks, statistics
-from specdec_cli.config import TinyModel, load_config
+from specdec_cli.config import TinyModel, load_config, parse_config
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.errors import SpecdecError
 from specdec_cli.loading import quantized
@@ -122,3 +122,28 @@ def test_the_checks_fail_against_the_float_law_the_int4_target_does_not_sample(w
     pair = load_pair(load_config(str(write_config({"runtime": {"threads": 1, "weights": "int4"}}))))
     monkeypatch.setattr(checks, "next_logits", lambda pair, context: float_logits(context))
     assert "2 first token: p: token 1 vs the warped target" in failing(quantized_rows(pair))
+
+
+def test_a_verification_block_gives_the_single_steps_logits_bit_for_bit():
+    """Quantized products give a row the same result whatever rows stand beside it, and the attention
+    reads the cache's keys in whole steps (SDPA's result depends on how many keys it is given, masked
+    ones too, otherwise), so a block of 6 tokens and 6 single-token forwards agree exactly, wherever
+    the block starts: greedy speculative output is the target alone's. Heads of 64 dimensions, as
+    SmolLM2's, where key counts that are not whole steps change the result."""
+    tiny = {"seed": 0, "hidden_size": 192, "num_heads": 3, "num_kv_heads": 1, "intermediate_size": 384}
+    runtime = {"device": "cpu", "dtype": "float32", "threads": 2, "weights": "int8"}
+    pair = load_pair(parse_config({"name": "t", "target": {"tiny": tiny}, "draft": {"ngram": {}}, "runtime": runtime}))
+    target = pair.target
+    for start in range(40, 140, 7):
+        ids = list(range(3, 3 + start)) + list(range(100, 106))
+
+        def logits(widths: list[int], ids=ids, start=start) -> torch.Tensor:
+            target.reset(len(ids) + 8)
+            target.forward(torch.tensor([ids[:start]]), logits="none")
+            found, at = [], start
+            for width in widths:
+                found.append(target.forward(torch.tensor([ids[at : at + width]])).logits[0])
+                at += width
+            return torch.cat(found)
+
+        assert torch.equal(logits([1] * 6), logits([6])), start

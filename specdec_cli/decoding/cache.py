@@ -22,10 +22,13 @@ if TYPE_CHECKING:
 ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
 # the widest input a graph is captured for (wider ones, prefills, run eagerly)
 GRAPHED_WIDTH = 64
-# with graphs, the attention reads the cache's slots in steps of this many (the mask hides those past
-# each row's context): shapes recur from block to block instead of growing by a token each, as graphs
-# need; eagerly it reads exactly the slots in use, which is cheaper on a CPU
+# the attention reads the cache's slots in steps of this many (the mask hides those past each row's
+# context). With graphs, shapes then recur from block to block instead of growing by a token each, as
+# graphs need. Eagerly, in smaller steps: SDPA's result for a query depends on how many keys it is
+# given, masked ones too, unless that is a whole number of its blocks, so a single-token step and a
+# verification block read the same keys the same way (greedy output equal to the target alone's)
 KEY_SLOTS_STEP = 128
+EAGER_KEY_SLOTS_STEP = 32
 # the attribute where loading names a forward of specdec's own for a model: a class with `serves(model)`
 # whose `cls(model)` is called as `CachedModel.step` calls transformers' model, with its outputs, in
 # fewer operator calls (loading/llama_forward.py). The cache builds it over the model as it is when
@@ -207,7 +210,8 @@ class CachedModel:
             if self.cache is not None and self.cache.max_tokens >= max_tokens and same_rows:
                 return
             self.graphed.clear()
-        self.cache = RaggedCache(self.num_layers, max_tokens)
+        step = KEY_SLOTS_STEP if self.graphed is not None else EAGER_KEY_SLOTS_STEP
+        self.cache = RaggedCache(self.num_layers, -(-max_tokens // step) * step)  # every step fits
 
     @torch.inference_mode()
     def forward(
@@ -237,7 +241,7 @@ class CachedModel:
             slots.masked_fill(steps >= to_device(counts, self.device)[:, None], self.cache.scratch) if ragged else slots
         )
         needed = max(length + count for length, count in zip(self.lengths, counts))
-        step = KEY_SLOTS_STEP if self.graphed is not None else 1
+        step = KEY_SLOTS_STEP if self.graphed is not None else EAGER_KEY_SLOTS_STEP
         self.cache.visible = min(-(-needed // step) * step, self.cache.scratch)
         if logits == "none":
             keep = torch.zeros(0, dtype=torch.long, device=self.device)

@@ -102,6 +102,7 @@ def distill_into(
     answers: list[Path],
     run: records.Run,
 ) -> None:
+    """The corpus, the training and the saved draft in `out`, with the loaded target."""
     work = out / WORK  # corpus and training state: what a resumed run continues from
     work.mkdir(parents=True, exist_ok=True)
     if answers:
