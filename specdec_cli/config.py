@@ -202,7 +202,7 @@ class Runtime:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     # auto | float | int8 | int4: the linear layers' weights as products read them (loading/quantized.py);
-    # auto: float
+    # auto: as the target's checkpoint ships them (int4 from a 4-bit GGUF) on a CPU, else float
     weights: str = "auto"
     threads: int | None = None  # CPU threads for torch; None keeps torch's default
     # off | on | auto (on where the device is a GPU): decoding forwards replay CUDA graphs

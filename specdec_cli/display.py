@@ -69,8 +69,9 @@ def environment_caption(env: dict) -> str:
         )
     v = env["versions"]
     matmul = f", decoding matmuls {env['decode_matmul']}" if env.get("decode_matmul") else ""
+    quantized = f", {env['weights']} weights" if env.get("weights", "float") != "float" else ""
     return (
-        f"{env['device']} ({env['device_name']}), {env['dtype']}, {env['threads']} threads{matmul}; "
+        f"{env['device']} ({env['device_name']}), {env['dtype']}{quantized}, {env['threads']} threads{matmul}; "
         f"torch {v['torch']}, transformers {v['transformers']}"
     )
 

@@ -18,7 +18,7 @@ from specdec_cli.decoding.engine import SpeculativeDecoder
 from specdec_cli.decoding.params import SamplingParams, TreeShape
 from specdec_cli.decoding.verification import chain_rule
 from specdec_cli.errors import SpecdecError
-from specdec_cli.loading.checkpoints import check_embedding, load_model
+from specdec_cli.loading.checkpoints import check_embedding, load_model, shipped_weights
 from specdec_cli.loading.decode_matmul import PROCESS_CHOICE
 from specdec_cli.loading.draft_folder import Wiring
 from specdec_cli.loading.quantized import KINDS as QUANTIZED
@@ -57,11 +57,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def resolve_weights(name: str, device: torch.device) -> str:
-    """runtime.weights as the products take them: auto is float; int8 and int4 are torch's CPU kernels."""
+def resolve_weights(name: str, device: torch.device, target: ModelSpec) -> str:
+    """runtime.weights as the products take them, for the target and its draft: auto is as the target's
+    checkpoint ships (int4 from a GGUF of 4-bit types) on a CPU, float elsewhere; int8 and int4 run
+    torch's CPU kernels."""
     if name in QUANTIZED and device.type != "cpu":
         raise SpecdecError(f"weights: {name} runs on a CPU (torch's quantized CPU kernels); on {device} use float")
-    return "float" if name == "auto" else name
+    if name == "auto":
+        return shipped_weights(target) if device.type == "cpu" else "float"
+    return name
 
 
 @dataclass
@@ -122,6 +126,7 @@ class Pair:
     def describe(self) -> dict:
         """What a record needs to say about where and how it ran."""
         device = self.device
+        float_cpu = device.type == "cpu" and self.weights == "float"
         return {
             "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
@@ -129,8 +134,8 @@ class Pair:
             "weights": self.weights,
             "threads": torch.get_num_threads(),
             "cuda_graphs": self.target.graphed is not None,
-            # which product served the CPU matmuls (decode_matmul.py); None elsewhere
-            "decode_matmul": PROCESS_CHOICE.name(self.dtype) if device.type == "cpu" else None,
+            # which product served the CPU float matmuls (decode_matmul.py); None elsewhere and for quantized weights
+            "decode_matmul": PROCESS_CHOICE.name(self.dtype) if float_cpu else None,
             "versions": {
                 "specdec": specdec_cli.__version__,
                 "torch": torch.__version__,
@@ -197,7 +202,7 @@ def load_pair(config: Config) -> Pair:
     if runtime.cuda_graphs == "on" and device.type != "cuda":
         raise SpecdecError(f"cuda_graphs: on needs a CUDA device, and the device is {device}")
     graphs = runtime.cuda_graphs != "off" and device.type == "cuda"
-    weights = resolve_weights(runtime.weights, device)
+    weights = resolve_weights(runtime.weights, device, config.target)
     model, tokenizer = load_checkpoint(config.target, device, dtype, weights=weights)
     check_embedding(model, tokenizer, f"target {config.target.describe()}")
     vocab_size = model.get_output_embeddings().out_features

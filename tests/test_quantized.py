@@ -3,13 +3,15 @@ and the quantized target as the law every exactness check tests."""
 
 from __future__ import annotations
 
+import gguf
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import failing
 
 from specdec_cli.commands.verify import checks, statistics
-from specdec_cli.config import TinyModel, load_config, parse_config
+from specdec_cli.config import ModelSpec, TinyModel, load_config, parse_config
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.errors import SpecdecError
 from specdec_cli.loading import quantized
@@ -76,10 +78,14 @@ def test_int4_recovers_values_whose_groups_span_0_to_15():
     assert torch.equal(again.data, expected.data)
 
 
-def test_quantized_weights_run_on_a_cpu_only():
-    assert resolve_weights("auto", torch.device("cpu")) == "float"
+def test_auto_weights_are_the_checkpoints_own_on_a_cpu_and_quantized_weights_run_on_a_cpu_only():
+    builtin, tiny = ModelSpec(checkpoint="smollm2-135m-instruct"), ModelSpec(tiny=TinyModel())
+    assert resolve_weights("auto", torch.device("cpu"), builtin) == "int4"  # its GGUF is Q4_1
+    assert resolve_weights("auto", torch.device("cuda"), builtin) == "float"
+    assert resolve_weights("auto", torch.device("cpu"), tiny) == "float"
+    assert resolve_weights("int8", torch.device("cpu"), tiny) == "int8"
     with pytest.raises(SpecdecError, match="runs on a CPU"):
-        resolve_weights("int4", torch.device("cuda"))
+        resolve_weights("int4", torch.device("cuda"), tiny)
 
 
 @pytest.fixture(params=["int8", "int4"])
@@ -147,3 +153,22 @@ def test_a_verification_block_gives_the_single_steps_logits_bit_for_bit():
             return torch.cat(found)
 
         assert torch.equal(logits([1] * 6), logits([6])), start
+
+
+@pytest.mark.parametrize("kind, weights", [("Q4_1", "int4"), ("Q8_0", "int8"), ("F32", "float")])
+def test_auto_weights_follow_a_gguf_files_own_type(tmp_path, kind, weights):
+    path = tmp_path / "model.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    block_type = gguf.GGMLQuantizationType[kind]
+    block, size = gguf.GGML_QUANT_SIZES[block_type]
+    for name in ("blk.0.ffn_up.weight", "blk.0.ffn_down.weight"):
+        writer.add_tensor(name, np.zeros((64, 64 // block * size), dtype=np.uint8), raw_dtype=block_type)
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(64, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert resolve_weights("auto", torch.device("cpu"), ModelSpec(checkpoint=str(path))) == weights
+    path.write_bytes(path.read_bytes()[:40])
+    with pytest.raises(SpecdecError, match="cannot read GGUF file"):
+        resolve_weights("auto", torch.device("cpu"), ModelSpec(checkpoint=str(path)))

