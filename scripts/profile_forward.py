@@ -42,10 +42,8 @@ def main() -> None:
         decoder.generate(ids, 16, 0)  # warm-up
         with profile(activities=[ProfilerActivity.CPU]) as profiled:
             result = decoder.generate(ids, 64, 0)
-        count = len(result.token_ids)
-        print(
-            f"{weights}: {count / result.decode_seconds:.1f} tok/s, {result.decode_seconds / count * 1e3:.1f} ms a token"
-        )
+        seconds = result.decode_seconds / len(result.token_ids)
+        print(f"{weights}: {1 / seconds:.1f} tok/s, {seconds * 1e3:.1f} ms a token")
         print(profiled.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=40))
 
 
