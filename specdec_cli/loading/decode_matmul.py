@@ -306,31 +306,23 @@ class MatmulChoice:
             m for m in model.modules() if isinstance(m, torch.nn.Linear) or getattr(m, "routed_as_linear", False)
         ]
         groups = sibling_groups(model)
-        if weights in quantized.KINDS:
-            fused = {id(m) for group in groups for m in group}
-            for group in groups:
-                Siblings(self, group, weights)
-            for module in linears:
-                if id(module) not in fused:
-                    module.forward = Linear(self, module, weights)
-            return
-        if parameter.dtype not in self.chosen and linears:
-            weights, room = timed_weights(linears, groups), room_for_copies(linears)
-            onednn = [pack(w) for w in weights] if room else None  # one copy serves every row count
+        if weights == "float" and parameter.dtype not in self.chosen and linears:
+            timed, room = timed_weights(linears, groups), room_for_copies(linears)
+            onednn = [pack(w) for w in timed] if room else None  # one copy serves every row count
             fastest = []
             for wide, timed_rows in ((False, NARROW_ROWS), (True, WIDE_ROWS)):
-                made = {PACKED: onednn, MKL_PACKED: [copy_for(MKL_PACKED, w, wide) for w in weights]} if room else {}
-                seconds = time_products(weights, timed_rows, made)
+                made = {PACKED: onednn, MKL_PACKED: [copy_for(MKL_PACKED, w, wide) for w in timed]} if room else {}
+                seconds = time_products(timed, timed_rows, made)
                 fastest.append(min(seconds, key=seconds.get))
             self.chosen[parameter.dtype] = Chosen(*fastest)
         fused = set()
         for group in groups:
-            Siblings(self, group)
+            Siblings(self, group, weights)
             fused.update(map(id, group))
-        if self.chosen.get(parameter.dtype, (F_LINEAR, F_LINEAR)) != (F_LINEAR, F_LINEAR):
+        if weights != "float" or self.chosen.get(parameter.dtype, (F_LINEAR, F_LINEAR)) != (F_LINEAR, F_LINEAR):
             for module in linears:
                 if id(module) not in fused:
-                    module.forward = Linear(self, module)
+                    module.forward = Linear(self, module, weights)
 
 
 def timed_weights(linears: list[torch.nn.Module], groups: list[list[torch.nn.Linear]]) -> list[torch.Tensor]:

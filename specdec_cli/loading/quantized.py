@@ -5,9 +5,10 @@ int8 weights are a quarter of float32's, int4 an eighth. Two kinds, as serving e
 keep them:
 - `int8`: one int8 per weight and a scale per output row (`torch._weight_int8pack_mm`);
 - `int4`: 4 bits per weight, a scale and a zero per group of `GROUP` weights along the input, the
-  weight being (q - 8) * scale + zero for q in 0..15 (`torch._weight_int4pack_mm_for_cpu`). GGUF's
-  Q4_0, Q4_1 and Q4_K blocks are such groups (loading/gguf_weights.py), so those files decode from
-  their own 4-bit values.
+  weight being (q - 8) * scale + zero for q in 0..15 (`torch._weight_int4pack_mm_for_cpu`). Each
+  group's smallest weight becomes 0 and its largest 15, as GGUF's Q4_1 quantizes, so weights
+  converted from a Q4_1 file come back as its own 4-bit values (scripts/check_gguf_int4.py); from
+  other types (Q4_0, Q4_K, ...) they are quantized anew.
 Both kernels take bfloat16 activations (their fast path): a product converts its input to bfloat16
 and its output back. The target-only baseline runs the same products, so the quantized model is the
 target whose law every exactness check tests. A weight whose shape a kind cannot take (int4: an
