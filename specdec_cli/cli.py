@@ -251,8 +251,9 @@ def benchmark(
         Optional[str],
         typer.Option(
             help="Also measure a peer on the same prompts: hf (transformers' generate(), alone and with its "
-            "assisted generation or prompt lookup) or vllm (vLLM, alone and with the config's draft; needs "
-            "`specdec setup-vllm`)."
+            "assisted generation or prompt lookup), vllm (vLLM, alone and with the config's draft; needs "
+            "`specdec setup-vllm`) or llamacpp (llama.cpp on the target's GGUF file, alone and with its prompt "
+            "lookup; needs `specdec setup-llamacpp`)."
         ),
     ] = None,
     batch_sizes: Annotated[
@@ -785,6 +786,24 @@ def setup_vllm() -> None:
 
     python = install()
     print(f"vLLM is set up: {python}")
+
+
+@command(
+    "setup-llamacpp",
+    epilog="""Examples:\n
+  specdec setup-llamacpp\n
+  specdec setup-llamacpp && specdec benchmark --prompts docs/experiments/data/unseen-13.jsonl --peer llamacpp""",
+)
+@reports_errors
+def setup_llamacpp() -> None:
+    """Create llama.cpp's own environment under the specdec cache (~/.cache/specdec/llamacpp-venv) with
+    llama-cpp-python, for `benchmark --peer llamacpp`. PyPI has it as source only: the first setup on a
+    kind of CPU compiles llama.cpp for it (5-15 minutes on 2 cores) and keeps the wheel for the next.
+    To use another install instead, set SPECDEC_LLAMACPP_PYTHON to a python that has llama_cpp."""
+    from specdec_cli.llamacpp_engine.client import setup_llamacpp as install
+
+    python = install()
+    print(f"llama.cpp is set up: {python}")
 
 
 def main() -> None:

@@ -31,7 +31,7 @@ from specdec_cli.decoding.metrics import acceptance_by_position, mean_accepted_l
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.errors import SpecdecError
 from specdec_cli.pair import load_pair
-from specdec_cli.vllm_engine.client import PYTHON_ENV, VllmWorker, failure_line, vllm_python
+from specdec_cli.vllm_engine.client import PYTHON_ENV, VllmWorker, vllm_python
 from specdec_cli.vllm_engine.settings import (
     engine_settings,
     generation_results,
@@ -39,6 +39,7 @@ from specdec_cli.vllm_engine.settings import (
     speculative_config,
     vllm_steps,
 )
+from specdec_cli.workers import failure_line
 
 runner = CliRunner()
 

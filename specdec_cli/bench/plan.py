@@ -14,8 +14,11 @@ from specdec_cli.decoding.params import SamplingParams, TreeShape
 from specdec_cli.errors import SpecdecError
 
 SPECDEC, HF, VLLM = "specdec", "hf", "vllm"  # engines; HF alone is transformers' plain generate()
+LLAMACPP = "llamacpp"  # llama.cpp through llama-cpp-python
 HF_ASSISTED, HF_LOOKUP = "hf assisted", "hf prompt lookup"  # the hf peer's speculative engines
-PEERS = (HF, VLLM)
+LLAMACPP_LOOKUP = "llamacpp prompt lookup"  # llama.cpp's speculative engine
+PEERS = (HF, VLLM, LLAMACPP)
+ENGINE_PEERS = (VLLM, LLAMACPP)  # peers in environments and processes of their own: an engine per num_draft_tokens
 QUICK_LIMIT = 1  # prompts per category of the built-in suite when neither --prompts nor --limit is given
 
 
@@ -85,8 +88,8 @@ class Plan:
 
     def modes(self) -> list[Mode]:
         """specdec's modes per temperature: the baseline first, then each num_draft_tokens and each tree, then the hf
-        peer alone and its run of each num_draft_tokens. None when vLLM runs the config; vLLM's modes run apart, one
-        engine at a time (vllm_modes)."""
+        peer alone and its run of each num_draft_tokens. None when vLLM runs the config; vLLM's and llama.cpp's modes
+        run apart, one engine at a time (engine_modes)."""
         if self.engine == VLLM:
             return []
         modes = []
@@ -95,13 +98,18 @@ class Plan:
             modes += [Mode(t, g, self.peer_engine) for g in self.num_draft_tokens_list] if self.peer == HF else []
         return modes
 
-    def vllm_modes(self) -> dict[int, list[Mode]]:
-        """vLLM's modes by num_draft_tokens (an engine each; 0: the target alone), every temperature in each: every
-        num_draft_tokens where vLLM runs the config, the peer's where it drafts."""
-        if VLLM not in (self.engine, self.peer):
+    def engine_modes(self) -> dict[int, list[Mode]]:
+        """The modes of vLLM (as the engine or the peer) or llama.cpp (the peer) by num_draft_tokens (an engine
+        each; 0: the target alone), every temperature in each: every num_draft_tokens where vLLM runs the
+        config, the peer's where it drafts."""
+        if self.engine == VLLM:
+            alone, drafting = VLLM, VLLM
+        elif self.peer in ENGINE_PEERS:
+            alone, drafting = self.peer, self.peer_engine
+        else:
             return {}
-        num_draft_tokens_list = [0] + (self.num_draft_tokens_list if self.engine == VLLM or self.peer_engine else [])
-        return {g: [Mode(t, g, VLLM) for t in self.temperatures] for g in num_draft_tokens_list}
+        engines = {0: alone} | {g: drafting for g in self.num_draft_tokens_list if drafting}
+        return {g: [Mode(t, g, engine) for t in self.temperatures] for g, engine in engines.items()}
 
 
 def parse_list(text: str | None, kind: type, option: str) -> list | None:
@@ -158,6 +166,10 @@ def make_plan(
     batch_sizes = sorted(set([1] + (batch_sizes or [])))  # batch 1 is always measured: the sizes compare to it
     if batch_sizes[0] < 1:
         raise SpecdecError(f"--batch-sizes must be >= 1, got {batch_sizes}")
+    if peer == LLAMACPP and len(batch_sizes) > 1:
+        raise SpecdecError(
+            "--peer llamacpp decodes one prompt at a time (llama-cpp-python has no batches): batch size 1"
+        )
     s = cfg.sampling
     return Plan(
         temperatures,

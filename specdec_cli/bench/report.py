@@ -199,6 +199,7 @@ def peer_report(peers: list[dict], caption: str) -> Report:
             if r["peer_tokens_per_second"][0]
             else "n/a",
             _sides(r, "end_to_end_speedup", lambda x: fmt(x, ".2f", "×")),
+            _sides(r, "decode_tokens_per_second", lambda x: "n/a" if x is None else f"{x[0]:.1f}"),
             _sides(r, "mean_accepted_length", fmt),
             _sides(r, "acceptance_by_position", _positions),
             "n/a" if r["greedy_identical"] is None else f"{r['greedy_identical']}/{r['prompts']}",
@@ -214,6 +215,7 @@ def peer_report(peers: list[dict], caption: str) -> Report:
         "specdec tok/s",
         "specdec / peer",
         "speedup peer / specdec",
+        "decode tok/s peer / specdec",
         "acc len peer / specdec",
         "acceptance by position peer / specdec",
         "same greedy tokens",

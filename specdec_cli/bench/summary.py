@@ -170,6 +170,13 @@ def _end_to_end_speedup(baseline: dict[str, dict], speculative: list[dict]) -> f
     return median_and_spread([speedup(b, s) for b, s in zip(_group_tps(base, key), _group_tps(speculative, key))])[0]
 
 
+def _decode_tps(runs: list[dict], peer_runs: list[dict]) -> tuple[float, float, float] | None:
+    """Decode tok/s of `runs` (median and range over repeats), where `peer_runs` timed prefill apart."""
+    if any(rep.get("prefill_seconds") is None for r in peer_runs for rep in r["repeats"]):
+        return None
+    return _mean_tps(runs, "tokens_per_second")
+
+
 def _acceptance(runs: list[dict], num_draft_tokens: int) -> dict:
     """specdec's acceptance numbers of speculative runs (None: target-only, or a peer that records no steps)."""
     steps = [s for r in runs for s in steps_of(r)]
@@ -226,6 +233,9 @@ def summarize_peers(runs: list[dict]) -> list[dict]:
                             _by_prompt(runs, SPECDEC, temperature, 0), ours_runs
                         ),
                         "peer_end_to_end_speedup": _end_to_end_speedup(peer_base, peer_runs),
+                        # decode alone where the peer times prefill apart (llama.cpp; transformers and vLLM do not)
+                        "specdec_decode_tokens_per_second": _decode_tps(ours_runs, peer_runs),
+                        "peer_decode_tokens_per_second": _decode_tps(peer_runs, peer_runs),
                         "peer_mean_accepted_length": peer_acceptance["mean_accepted_length"],
                         "specdec_mean_accepted_length": our_acceptance["mean_accepted_length"],
                         "peer_acceptance_by_position": peer_acceptance["acceptance_by_position"],

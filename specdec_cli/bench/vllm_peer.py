@@ -151,7 +151,7 @@ def run_vllm(
     done = VllmRuns([], [], False, "", "")
     dtype = str(pair.dtype).removeprefix("torch.")
     schedule = vllm_schedule(pair.config, plan.temperatures)
-    for num_draft_tokens, modes in plan.vllm_modes().items():
+    for num_draft_tokens, modes in plan.engine_modes().items():
         speculative = speculative_config(pair.config.draft, num_draft_tokens, schedule) if num_draft_tokens else None
         with VllmWorker(engine_settings(pair.config, dtype, speculative)) as worker:
             done.version, done.device = worker.version, worker.device

