@@ -19,7 +19,7 @@ from specdec_cli.decoding.params import SamplingParams, TreeShape
 from specdec_cli.decoding.verification import chain_rule
 from specdec_cli.errors import SpecdecError
 from specdec_cli.loading.checkpoints import check_embedding, load_model, shipped_weights
-from specdec_cli.loading.decode_matmul import PROCESS_CHOICE
+from specdec_cli.loading.decode_matmul import PROCESS_CHOICE, weight_bytes
 from specdec_cli.loading.draft_folder import Wiring
 from specdec_cli.loading.quantized import KINDS as QUANTIZED
 from specdec_cli.loading.target_states import LAST
@@ -133,6 +133,7 @@ class Pair:
             "dtype": str(self.dtype).removeprefix("torch."),
             "weights": self.weights,
             "threads": torch.get_num_threads(),
+            "target_weight_bytes": weight_bytes(self.target.model),  # what a target forward's products read
             "cuda_graphs": self.target.graphed is not None,
             # which product served the CPU float matmuls (decode_matmul.py); None elsewhere and for quantized weights
             "decode_matmul": PROCESS_CHOICE.name(self.dtype) if float_cpu else None,

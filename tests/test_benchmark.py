@@ -224,6 +224,11 @@ def test_identical_draft_accepts_everything_end_to_end(same_config, tmp_path):
         assert row["acceptance_rate"] == 1.0
         assert row["acceptance_by_position"] == [1.0] * row["num_draft_tokens"]
         assert row["greedy_identical"] == (row["prompts"] if row["temperature"] == 0 else None)
+        # the target-only forward against the machine's read bandwidth, both measured in this run
+        rate = record["environment"]["target_weight_bytes"] / row["target_forward_seconds"]
+        assert row["target_weight_read_bytes_per_second"] == pytest.approx(rate)
+        bandwidth = record["environment"]["read_bandwidth_bytes_per_second"]
+        assert row["target_weight_read_share"] == pytest.approx(rate / bandwidth) and bandwidth > 1e8
     folder = written_record(tmp_path, "tiny-same")
     assert json.loads((folder / "record.json").read_text())["summary"] == record["summary"]
     assert "Speedup by category" in (folder / "report.md").read_text()

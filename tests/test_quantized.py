@@ -107,6 +107,23 @@ def test_a_quantized_pair_decodes_through_its_quantized_weights(quantized_pair):
     assert F.cosine_similarity(used, reference, dim=0) > 0.8  # and still the same model's
 
 
+def test_weight_bytes_count_what_the_products_read(quantized_pair, write_config):
+    """Float: every linear weight once (the fused q/k/v and gate/up too), the embedding left out; int8:
+    a byte a weight plus a scale per row; int4: half a byte a weight plus a scale and zero per group."""
+    float_pair = load_pair(load_config(str(write_config({"runtime": {"threads": 1, "weights": "float"}}))))
+    model = float_pair.target.model
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert float_pair.describe()["target_weight_bytes"] == sum(m.weight.nbytes for m in linears)
+    kind = quantized_pair.describe()["weights"]
+    count = sum(m.weight.numel() for m in linears)
+    rows = sum(m.weight.shape[0] for m in linears)
+    got = quantized_pair.describe()["target_weight_bytes"]
+    if kind == "int8":
+        assert got == count + 2 * rows  # bfloat16 scales
+    else:  # rows padded to the kernel's tiles, a bfloat16 scale and zero per group
+        assert count / 2 + count / quantized.GROUP * 4 <= got < 1.3 * (count / 2 + count / quantized.GROUP * 4)
+
+
 def test_greedy_identity_holds_with_quantized_weights(quantized_pair):
     assert checks.check_greedy(quantized_pair, quantized_pair.encode(PROMPT), "p", 32, seed=0).passed
 

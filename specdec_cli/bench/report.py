@@ -25,7 +25,9 @@ LEVIATHAN = (
     "measured here; the formula takes a (γ+1)-token verification to cost one forward, so predicted "
     "above measured is that extra verification cost plus the loop's overhead. predicted from measured "
     "parts = (1 + mean accepted per block) / (verification cost + drafting cost per block, each in "
-    "target-only 1-token forwards), for chains and trees alike"
+    "target-only 1-token forwards), for chains and trees alike. weights read per second = the target's "
+    "weight bytes as its products read them / seconds of a target-only step, against the machine's read "
+    "bandwidth (torch's sum over 512 MiB, the best of 7, measured in the run)"
 )
 
 PEER_FAIRNESS = (
@@ -161,6 +163,7 @@ def detail_report(summary: list[dict], rule: str) -> Report:
             lambda r: " ".join(map(str, r.get("accepted_length_histogram") or [])),
         ),
         ("time drafting (vs verifying)", lambda r: fmt(r["draft_time_share"], ".1%")),
+        ("target-only forward: weights read per second", _weight_read_rate),
         ("cost ratio c", lambda r: fmt(r["cost_ratio"], ".3f")),
         ("verification cost per block (1-token forwards)", lambda r: fmt(r.get("verification_cost"))),
         ("drafting cost per block (1-token forwards)", lambda r: fmt(r.get("drafting_cost"))),
@@ -175,6 +178,13 @@ def detail_report(summary: list[dict], rule: str) -> Report:
     ]
     rows = [[name] + [cell(r) for r in overall] for name, cell in metrics]
     return Report(f"Overall, {rule}", ["metric"] + [mode_label(r) for r in overall], rows, LEVIATHAN)
+
+
+def _weight_read_rate(row: dict) -> str:
+    rate = row.get("target_weight_read_bytes_per_second")
+    if rate is None:
+        return "n/a"
+    return f"{rate / 1e9:.1f} GB/s, {row['target_weight_read_share']:.0%} of the machine's"
 
 
 def _positions(rates: list[float | None] | None) -> str:

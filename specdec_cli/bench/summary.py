@@ -95,6 +95,7 @@ def summarize_mode(
         "predicted_speedup": (
             predicted_speedup(alpha, num_draft_tokens, c) if alpha is not None and c is not None and not tree else None
         ),
+        "target_forward_seconds": forward or None,  # a target-only step: its forward and its token's choice
         "verification_cost": costs[0] if costs else None,
         "drafting_cost": costs[1] if costs else None,
         "predicted_speedup_from_parts": predicted_speedup_from_parts(spec_steps, costs) if costs else None,
@@ -102,6 +103,16 @@ def summarize_mode(
         "baseline_prefill_seconds": _mean_prefill(baseline),
         "speculative_prefill_seconds": _mean_prefill(speculative),
     }
+
+
+def add_weight_read_rates(summary: list[dict], weight_bytes: int, bandwidth: float) -> None:
+    """Each row's target-only forward as weight bytes read per second, and as a share of the machine's
+    read bandwidth (bench/bandwidth.py)."""
+    for row in summary:
+        seconds = row.get("target_forward_seconds")
+        rate = weight_bytes / seconds if seconds else None
+        row["target_weight_read_bytes_per_second"] = rate
+        row["target_weight_read_share"] = rate / bandwidth if rate else None
 
 
 def greedy_identical(baseline: list[dict], speculative: list[dict]) -> int | None:

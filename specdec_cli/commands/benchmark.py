@@ -20,7 +20,13 @@ from specdec_cli.bench.report import (
     verification,
 )
 from specdec_cli.bench.run import run_batches, run_benchmark
-from specdec_cli.bench.summary import gate_failures, summarize, summarize_batches, summarize_peers
+from specdec_cli.bench.summary import (
+    add_weight_read_rates,
+    gate_failures,
+    summarize,
+    summarize_batches,
+    summarize_peers,
+)
 from specdec_cli.config import Config
 from specdec_cli.errors import EXIT_GATE_FAILED, SpecdecError
 from specdec_cli.pair import load_pair
@@ -194,7 +200,11 @@ def benchmark_record(
         dtype = str(pair.dtype).removeprefix("torch.")
         where = environment(cfg, dtype, found.get("vllm", ""), found.get("vllm_device", ""))
     else:
-        where = pair.describe()
+        from specdec_cli.bench.bandwidth import read_bandwidth
+
+        bandwidth = read_bandwidth(pair.device)
+        where = pair.describe() | {"read_bandwidth_bytes_per_second": bandwidth}
+        add_weight_read_rates(summary, where["target_weight_bytes"], bandwidth)
     return {
         **records.header("benchmark", cfg, where),
         "engine": plan.engine,

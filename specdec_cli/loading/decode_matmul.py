@@ -325,6 +325,28 @@ class MatmulChoice:
                     module.forward = Linear(self, module, weights)
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one forward's products read: each linear layer's weight as its product reads it
+    (a quantized copy's values and scales, else the weight), sibling projections' joint weight once. An
+    embedding reads a row per token and is left out (a head tied to it is counted as the head)."""
+    total, seen = 0, set()
+    for module in model.modules():
+        if not isinstance(module, torch.nn.Linear) and not getattr(module, "routed_as_linear", False):
+            continue
+        forward = module.__dict__.get("forward")
+        holder = forward.siblings if isinstance(forward, SiblingForward) else forward
+        if not isinstance(holder, (Linear, Siblings)):
+            total += module.weight.nbytes
+            continue
+        if id(holder) in seen:
+            continue
+        seen.add(id(holder))
+        copy = holder.copies[0]
+        weight = holder.weight if isinstance(holder, Siblings) else module.weight
+        total += copy.data.nbytes + copy.scales.nbytes if isinstance(copy, quantized.Quantized) else weight.nbytes
+    return total
+
+
 def timed_weights(linears: list[torch.nn.Module], groups: list[list[torch.nn.Linear]]) -> list[torch.Tensor]:
     """The weights a forward multiplies by, as it takes them (sibling projections side by side), in
     the model's order up to `TIMED_BYTES`, and the last one (a causal LM's output head: a shape like no
