@@ -12,6 +12,7 @@ import yaml
 from typer.testing import CliRunner
 
 from specdec_cli.bench import charts
+from specdec_cli.bench.measure import Measure
 from specdec_cli.bench.plan import Plan
 from specdec_cli.bench.prompts import Prompt
 from specdec_cli.bench.report import mode_label
@@ -140,6 +141,29 @@ def test_summarize_mode_on_hand_made_records():
     assert row["verification_cost"] == pytest.approx(0.9 / 0.5)
     assert row["drafting_cost"] == pytest.approx(0.35 / 0.5)
     assert row["predicted_speedup_from_parts"] == pytest.approx((1 + 9 / 4) / (1.8 + 0.7))
+
+
+def test_pooled_and_per_request_lengths_differ_where_prompts_of_different_lengths_accept_differently():
+    long_and_poor = [[4, 0, 1, 0.1, 1.0]] * 6  # 6 blocks, nothing accepted
+    short_and_good = [[4, 4, 5, 0.1, 1.0], [4, 3, 4, 0.1, 1.0]]
+    baseline = [make_run("a", 0, [10.0], BASE_STEPS), make_run("b", 0, [10.0], BASE_STEPS)]
+    speculative = [make_run("a", 4, [10.0], long_and_poor), make_run("b", 4, [20.0], short_and_good)]
+    row = summarize_mode(baseline, speculative, num_draft_tokens=4)
+    assert row["mean_accepted_length"] == pytest.approx((6 + 9) / 8)  # every block of both prompts
+    assert row["per_request_mean_accepted_length"] == pytest.approx((1.0 + 4.5) / 2)  # each prompt's, averaged
+    assert row["vllm_mean_acceptance_length"] == pytest.approx(1 + 7 / 8)
+    assert row["per_request_vllm_mean_acceptance_length"] == pytest.approx((1.0 + 4.5) / 2)
+
+
+def test_a_records_repeats_carry_their_prompts_own_figures():
+    measure = Measure(6, 0.1, 1.0, [StepRecord(*step) for step in [[4, 4, 5, 0.1, 1.0], [4, 0, 1, 0.1, 1.0]]])
+    assert measure.to_dict()["request"] == {
+        "mean_accepted_length": 3.0,
+        "vllm_mean_acceptance_length": 3.0,
+        "acceptance_rate": 0.5,
+        "accepted_length_histogram": [1, 0, 0, 0, 1],
+        "forwards": 2,
+    }
 
 
 def test_trees_get_the_prediction_from_measured_parts_only():

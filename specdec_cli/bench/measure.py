@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from specdec_cli.decoding.metrics import StepRecord
+from specdec_cli.decoding.metrics import StepRecord, request_figures
 
 if TYPE_CHECKING:
     from specdec_cli.decoding.engine import GenerationResult
@@ -43,6 +43,7 @@ class Measure:
             # compact: [drafted, accepted, emitted, draft_seconds, verify_seconds] per target forward
             "steps": [[s.drafted, s.accepted, s.emitted, s.draft_seconds, s.verify_seconds] for s in self.steps],
             "token_ids": self.token_ids,
+            "request": request_figures(self.steps),  # this prompt's own acceptance figures
         }
 
 

@@ -146,10 +146,15 @@ def detail_report(summary: list[dict], rule: str) -> Report:
         ("end-to-end speedup (prefill included)", lambda r: fmt(_value(r.get("end_to_end_speedup")), ".2f", "×")),
         ("predicted speedup (Leviathan)", lambda r: fmt(r["predicted_speedup"], ".2f", "×")),
         ("predicted speedup (measured parts)", lambda r: fmt(r.get("predicted_speedup_from_parts"), ".2f", "×")),
-        ("mean accepted length: tokens per target forward", lambda r: fmt(r["mean_accepted_length"])),
+        ("mean accepted length, pooled: all tokens / all target forwards", lambda r: fmt(r["mean_accepted_length"])),
+        ("  per-request mean: each prompt's, averaged", lambda r: fmt(r.get("per_request_mean_accepted_length"))),
         (
-            "mean acceptance length as vLLM: 1 + accepted / drafting blocks",
+            "mean acceptance length as vLLM, pooled: 1 + accepted / drafting blocks",
             lambda r: fmt(r.get("vllm_mean_acceptance_length")),
+        ),
+        (
+            "  per-request mean (as SpecForge averages)",
+            lambda r: fmt(r.get("per_request_vllm_mean_acceptance_length")),
         ),
         ("acceptance rate (accepted / drafted)", lambda r: fmt(r["acceptance_rate"], ".1%")),
         ("per-token acceptance α", lambda r: fmt(r["per_token_acceptance"], ".3f")),

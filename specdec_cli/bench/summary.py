@@ -18,6 +18,7 @@ from specdec_cli.decoding.metrics import (
     draft_time_share,
     mean_accepted_length,
     median_and_spread,
+    per_request_mean,
     per_token_acceptance,
     predicted_speedup,
     predicted_speedup_from_parts,
@@ -65,6 +66,7 @@ def summarize_mode(
     ]
     base_steps = [s for r in baseline for s in steps_of(r)]
     spec_steps = [s for r in speculative for s in steps_of(r)]
+    requests = [[StepRecord(*s) for s in rep["steps"]] for r in speculative for rep in r["repeats"]]
     # c per drafted token counts only the blocks that drafted: one where the n-gram drafter found no match
     # costs lookup time but drafts nothing (that time stays in draft_time_share)
     drafting = [s for s in spec_steps if s.drafted]
@@ -84,6 +86,8 @@ def summarize_mode(
         "end_to_end_speedup": median_and_spread(end_to_end),
         "mean_accepted_length": mean_accepted_length(spec_steps),
         "vllm_mean_acceptance_length": vllm_mean_acceptance_length(spec_steps),
+        "per_request_mean_accepted_length": per_request_mean(requests, mean_accepted_length),
+        "per_request_vllm_mean_acceptance_length": per_request_mean(requests, vllm_mean_acceptance_length),
         "acceptance_rate": acceptance_rate(spec_steps),
         "per_token_acceptance": alpha,
         "acceptance_by_position": acceptance_by_position(spec_steps, num_draft_tokens),

@@ -99,6 +99,25 @@ def accepted_length_histogram(steps: list[StepRecord]) -> list[int]:
     return [drafting.count(k) for k in range(max(drafting) + 1)] if drafting else []
 
 
+def request_figures(steps: list[StepRecord]) -> dict:
+    """One request's own figures, as vLLM's per-request metrics report them: its mean accepted length
+    both ways, acceptance rate, histogram of accepted drafts, and target forwards."""
+    return {
+        "mean_accepted_length": mean_accepted_length(steps),
+        "vllm_mean_acceptance_length": vllm_mean_acceptance_length(steps),
+        "acceptance_rate": acceptance_rate(steps),
+        "accepted_length_histogram": accepted_length_histogram(steps),
+        "forwards": len(steps),
+    }
+
+
+def per_request_mean(requests: list[list[StepRecord]], figure) -> float | None:
+    """The mean over requests of each request's `figure` (SpecForge's way), beside the figure of all
+    their steps pooled (vLLM's and SGLang's): requests where it is undefined are left out."""
+    values = [v for v in (figure(steps) for steps in requests) if v is not None]
+    return sum(values) / len(values) if values else None
+
+
 def vllm_counters(steps: list[StepRecord]) -> dict[str, int | list[int]]:
     """The acceptance counters under the names vLLM's speculative-decoding metrics give them: drafting
     blocks, draft tokens, accepted draft tokens, and per position how many blocks kept it. vLLM's
