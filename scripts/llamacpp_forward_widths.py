@@ -11,26 +11,18 @@ Repacked buffers where a forward of several tokens crashes in them: one token pe
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-import llama_cpp
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "specdec_cli" / "llamacpp_engine"))
+from worker import load  # noqa: E402  (the peer's own loading, by its path)
 
 WIDTHS = (1, 2, 3, 4, 6, 8)
 CONTEXT, REPEATS = 160, 30
 
 
 def model(gguf: str, extra_buffers: bool, one_token: bool):
-    defaults = llama_cpp.llama_model_default_params
-
-    def params():
-        p = defaults()
-        p.use_extra_bufts = extra_buffers
-        return p
-
-    llama_cpp.llama_cpp.llama_model_default_params = params
-    llama_cpp.llama.llama_cpp.llama_model_default_params = params
-    return llama_cpp.Llama(
-        gguf, n_ctx=512, n_batch=512, n_ubatch=1 if one_token else 512, n_threads=2, n_threads_batch=2, verbose=False
-    )
+    engine = {"gguf": gguf, "context": 512, "threads": 2, "lookup_tokens": 0, "max_n": 0}
+    return load(engine, extra_buffers, one_token)
 
 
 def seconds(llm, width: int) -> float:

@@ -305,6 +305,25 @@ def test_prompt_file_multi_turn_counts_both_turns(same_config, prompt_file):
     assert new_tokens == {"1": 24, "2": 12}  # two turns of 12 tokens, one turn of 12
 
 
+def test_a_parquet_prompt_file_runs_its_turns(same_config, prompt_file, tmp_path):
+    import pyarrow
+    import pyarrow.parquet
+
+    rows = [
+        json.loads(line) | {"sub_category": "x", "multiturn": True} for line in prompt_file.read_text().splitlines()
+    ]
+    rows = [row | {"question_id": str(row["question_id"])} for row in rows]
+    path = tmp_path / "speed.parquet"
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), path)
+    code, out, err = run_cli(
+        "-c", str(same_config), "--prompts", str(path), "--temperatures", "0", "--warmup", "0", "--json"
+    )
+    assert code == 0, err
+    record = json.loads(out)
+    new_tokens = {r["prompt_id"]: r["repeats"][0]["new_tokens"] for r in record["runs"] if r["num_draft_tokens"] == 0}
+    assert new_tokens == {"1": 24, "2": 12}  # as from the JSONL file: both turns of the first prompt
+
+
 def test_text_prompts_and_table_output(same_config, tmp_path):
     path = tmp_path / "prompts.txt"
     path.write_text("first prompt\n\nsecond prompt\n")
@@ -353,6 +372,10 @@ def test_compare_two_records(tmp_path):
     assert code == 0, err
     rows = json.loads(out)["rows"]
     assert ["greedy, γ=3", "mean accepted length", "4.000", f"{length_b:.3f}", f"{length_b / 4:.2f}×"] in rows
+    metrics = [row[1] for row in rows]
+    assert (
+        "mean accepted length, per-request mean" in metrics and "acceptance length as vLLM, per-request mean" in metrics
+    )
     [folder] = (tmp_path / "runs").glob("*-compare-tiny-same-vs-tiny-ngram")
     assert json.loads((folder / "record.json").read_text())["rows"] == rows
     assert_charts(folder, "A: tiny-same", "B: tiny-ngram", "greedy, γ=3")

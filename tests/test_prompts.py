@@ -142,3 +142,63 @@ def test_training_prompts_disjoint_from_benchmark():
     for t in training:
         for b in benchmark:
             assert t not in b and b not in t, (t, b)
+
+
+# SPEED-Bench's columns (its qualitative config): what specdec reads and what it leaves alone
+SPEED_BENCH_ROWS = [
+    {
+        "question_id": "coding-3",
+        "category": "coding",
+        "sub_category": "debugging",
+        "turns": ["Why does this loop never end?", "Fix it without a flag."],
+        "source": "synthetic",
+        "difficulty": "medium",
+        "multiturn": True,
+    },
+    {
+        "question_id": "qa-1",
+        "category": "qa",
+        "sub_category": "facts",
+        "turns": ["What is a KV cache?"],
+        "source": "synthetic",
+        "difficulty": "easy",
+        "multiturn": False,
+    },
+]
+
+
+def write_parquet(path, rows):
+    import pyarrow
+    import pyarrow.parquet
+
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), path)
+    return path
+
+
+def test_speed_bench_parquet_rows(tmp_path):
+    path = write_parquet(tmp_path / "qualitative.parquet", SPEED_BENCH_ROWS)
+    assert load_prompts(path) == [
+        Prompt("coding-3", "coding", ("Why does this loop never end?", "Fix it without a flag.")),
+        Prompt("qa-1", "qa", ("What is a KV cache?",)),
+    ]
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"turns": []}, "row 2: 'turns' must be a non-empty list of strings"),
+        ({"question_id": "coding-3"}, "row 2: duplicate prompt id 'coding-3'"),
+        ({"category": ""}, "row 2: category must be a non-empty string"),
+    ],
+)
+def test_parquet_errors_name_file_and_row(tmp_path, change, message):
+    rows = [SPEED_BENCH_ROWS[0], {**SPEED_BENCH_ROWS[1], **change}]
+    path = write_parquet(tmp_path / "bad.parquet", rows)
+    with pytest.raises(SpecdecError, match=message):
+        load_prompts(path)
+
+
+def test_a_file_that_is_not_parquet_is_one_clear_error(tmp_path):
+    path = write_lines(tmp_path / "prompts.parquet", ["not parquet at all"])
+    with pytest.raises(SpecdecError, match=r"prompts.parquet: not a readable Parquet file"):
+        load_prompts(path)

@@ -4,6 +4,9 @@ Accepted file formats, one prompt per line:
   * Spec-Bench question.jsonl: {"question_id": ..., "category": "...", "turns": ["...", ...]}
   * JSONL: {"prompt": "..."} with optional "id" and "category"
   * plain text: each non-blank line is a prompt
+  * Parquet (`.parquet`, SPEED-Bench's files): a row per prompt, with Spec-Bench's fields
+    (`question_id`, `category`, `turns`; others, such as `sub_category`, `source`, `difficulty` and
+    `multiturn`, are ignored), read with pyarrow (`pip install 'specdec[parquet]'`)
 A `.jsonl` file is read as JSONL, a `.txt` file as text; any other file is JSONL when its first
 non-blank line starts with "{".
 """
@@ -33,7 +36,12 @@ class Prompt:
 
 
 def load_prompts(path: Path) -> list[Prompt]:
-    """Read prompts from `path`; any problem raises SpecdecError naming the file and line."""
+    """Read prompts from `path`; any problem raises SpecdecError naming the file and line (or row)."""
+    if path.suffix == ".parquet":
+        rows = parquet_rows(path)
+        return _checked(
+            [(f"{path}: row {i}", _from_object(row, i, f"{path}: row {i}")) for i, row in enumerate(rows, 1)], str(path)
+        )
     text = read_text("prompt file", path)
     if path.suffix == ".jsonl":
         is_jsonl = True
@@ -81,31 +89,53 @@ def select(prompts: list[Prompt], category: str | None, limit: int | None) -> li
     return chosen
 
 
+def parquet_rows(path: Path) -> list[dict]:
+    """A Parquet file's rows as dicts."""
+    try:
+        import pyarrow
+        import pyarrow.parquet
+    except ImportError:
+        raise SpecdecError(f"{path}: reading Parquet needs pyarrow: pip install 'specdec[parquet]'") from None
+    try:
+        return pyarrow.parquet.read_table(path).to_pylist()
+    except (OSError, ValueError, pyarrow.ArrowException) as exc:
+        raise SpecdecError(f"{path}: not a readable Parquet file: {exc}") from None
+
+
 def _parse(text: str, name: str, is_jsonl: bool) -> list[Prompt]:
-    prompts: list[Prompt] = []
-    seen: set[str] = set()
+    prompts = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         where = f"{name}:{lineno}"
         if is_jsonl:
-            prompt = _parse_json_line(line, lineno, where)
+            prompt = _from_object(_json_object(line, where), lineno, where)
         else:
             prompt = Prompt(str(lineno), DEFAULT_CATEGORY, (line.strip(),))
+        prompts.append((where, prompt))
+    return _checked(prompts, name)
+
+
+def _checked(prompts: list[tuple[str, Prompt]], name: str) -> list[Prompt]:
+    """The prompts, each with where it was read, once it is sure their ids differ and there are some."""
+    seen: set[str] = set()
+    for where, prompt in prompts:
         if prompt.id in seen:
             raise SpecdecError(f"{where}: duplicate prompt id {prompt.id!r}")
         seen.add(prompt.id)
-        prompts.append(prompt)
     if not prompts:
         raise SpecdecError(f"{name}: no prompts found")
-    return prompts
+    return [prompt for _, prompt in prompts]
 
 
-def _parse_json_line(line: str, lineno: int, where: str) -> Prompt:
+def _json_object(line: str, where: str) -> object:
     try:
-        obj = json.loads(line)
+        return json.loads(line)
     except json.JSONDecodeError as e:
         raise SpecdecError(f"{where}: malformed JSON ({e.msg})") from None
+
+
+def _from_object(obj: object, lineno: int, where: str) -> Prompt:
     if not isinstance(obj, dict):
         raise SpecdecError(f"{where}: expected a JSON object")
     if "turns" in obj:  # Spec-Bench

@@ -318,6 +318,12 @@ COMPARED = [
     ("speedup", "speedup"),
     ("mean accepted length", "mean_accepted_length"),
 ]
+OVERALL_ONLY = [
+    ("mean accepted length, per-request mean", "per_request_mean_accepted_length"),
+    ("acceptance length as vLLM", "vllm_mean_acceptance_length"),
+    ("acceptance length as vLLM, per-request mean", "per_request_vllm_mean_acceptance_length"),
+    ("acceptance rate", "acceptance_rate"),
+]
 
 
 def compare_report(a: dict, b: dict, names: tuple[str, str]) -> Report:
@@ -347,13 +353,15 @@ def compare_report(a: dict, b: dict, names: tuple[str, str]) -> Report:
 
     rows = []
     for index, fields, label in (
-        (overall, COMPARED + [("acceptance rate", "acceptance_rate")], mode_label),
+        (overall, COMPARED + OVERALL_ONLY, mode_label),
         (batches, COMPARED, lambda r: f"batch {r['batch_size']}, {mode_label(r)}"),
     ):
         rows_b = index(b)
         for key, ra in index(a).items():
             if key in rows_b:
                 for name, field in fields:
+                    if field not in ra or field not in rows_b[key]:
+                        continue  # a record from before the field was kept
                     va, vb = _value(ra[field]), _value(rows_b[key][field])
                     ratio = fmt(vb / va if va and vb is not None else None, ".2f", "×")
                     rows.append([label(ra), name, fmt(va, ".3f"), fmt(vb, ".3f"), ratio])

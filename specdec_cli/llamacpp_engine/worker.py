@@ -1,5 +1,6 @@
 """Runs inside llama.cpp's own environment (`specdec setup-llamacpp`), started by specdec with that
-environment's python and this file's path: it imports only llama-cpp-python and the standard library.
+environment's python and this file's path: it imports only llama-cpp-python, the standard library and
+specdec's worker_protocol.py by its path.
 
 Protocol, one JSON object per line, as vLLM's worker. The first line holds `engine`: the GGUF file,
 threads, context length and `lookup_tokens` (0: the target alone; else llama.cpp's prompt lookup
@@ -16,10 +17,13 @@ prompt lookup, whose verifications take several, runs without them (`buffers` sa
 """
 
 import json
-import os
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # worker_protocol.py: by its path
+from worker_protocol import reply, run  # noqa: E402
 
 PROBE_SECONDS = 120
 
@@ -119,20 +123,8 @@ def serve(protocol) -> None:
             reply(protocol, generate(llm, json.loads(line)))
 
 
-def reply(protocol, message: dict) -> None:
-    protocol.write(json.dumps(message) + "\n")
-    protocol.flush()
-
-
 def main() -> None:
-    protocol = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # llama.cpp's own output goes to stderr, the replies keep stdout
-    try:
-        serve(protocol)
-    except Exception as exc:  # noqa: BLE001 -- any failure of llama.cpp's is reported as one line
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        reply(protocol, {"error": f"{type(exc).__name__}: {' '.join(lines[:3])}".strip()})
-        sys.exit(2)
+    run(serve)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Runs inside vLLM's own environment, started by specdec with that environment's python and this
-file's path: it imports only vLLM and the standard library (specdec is not installed there).
+file's path: it imports only vLLM, the standard library and specdec's worker_protocol.py by its path
+(specdec is not installed there).
 
 Protocol, one JSON object per line. The first line on stdin holds `engine`, the keyword arguments of
 vllm.LLM; the reply is {"ready": true, "version": ...}. Every later line holds `prompts` (token id
@@ -13,6 +14,10 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # worker_protocol.py: by its path
+from worker_protocol import reply, run  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache on CPU; vLLM's default is larger
 
@@ -69,22 +74,8 @@ def serve(protocol) -> None:
             reply(protocol, generate(llm, json.loads(line)))
 
 
-def reply(protocol, message: dict) -> None:
-    protocol.write(json.dumps(message) + "\n")
-    protocol.flush()
-
-
 def main() -> None:
-    # the replies get stdout to themselves; whatever else writes to it (vLLM's logs, the engine's
-    # processes, which inherit the descriptor) writes to stderr instead
-    protocol = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    try:
-        serve(protocol)
-    except Exception as exc:  # noqa: BLE001 -- any failure of vLLM's is reported as one line
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        reply(protocol, {"error": f"{type(exc).__name__}: {' '.join(lines[:3])}".strip()})
-        sys.exit(2)
+    run(serve)
 
 
 if __name__ == "__main__":  # vLLM starts its engine in processes that import this file again
