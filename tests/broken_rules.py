@@ -8,6 +8,15 @@ import torch
 from specdec_cli.decoding import sampling
 from specdec_cli.decoding.sampling import accepted_prefix_length, sample, verify_sampled
 
+# ---------------------------------------------------------------- token verification
+
+
+def residual_without_clamp(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    leftover = target_probs - draft_probs  # bug: negative mass is kept
+    total = leftover.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, leftover / total.clamp_min(torch.finfo(total.dtype).tiny), target_probs)
+
+
 # ---------------------------------------------------------------- block verification
 
 real_block_acceptance = sampling.block_acceptance

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from broken_rules import p_prime_not_renormalised, siblings_tested_against_p
+from broken_rules import p_prime_not_renormalised, residual_without_clamp, siblings_tested_against_p
 from conftest import cached, failing, tree_paths
 from scipy import stats
 from typer.testing import CliRunner
@@ -662,6 +662,8 @@ def eagle2_cut_of_drawn_children(monkeypatch) -> None:
         pytest.param(rejected_keys_kept, id="rejected-keys-visible"),
         pytest.param(lambda mp: mp.setattr(tree, "draw_children", best_of_drawn), id="best-of-drawn-kept"),
         pytest.param(eagle2_cut_of_drawn_children, id="eagle2-cut-of-drawn-children"),
+        # the rule tree.py shares with chains, patched where chains' tests patch it
+        pytest.param(lambda mp: mp.setattr(sampling, "residual", residual_without_clamp), id="residual-without-clamp"),
     ],
 )
 def test_tree_checks_fail_on_broken_engines(write_config, monkeypatch, inject):

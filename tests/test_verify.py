@@ -14,7 +14,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from broken_rules import block_acceptance_with_token_residual, verify_block_stopping_at_the_first_failure
+from broken_rules import (
+    block_acceptance_with_token_residual,
+    residual_without_clamp,
+    verify_block_stopping_at_the_first_failure,
+)
 from typer.testing import CliRunner
 
 from specdec_cli.cli import app
@@ -45,12 +49,6 @@ def restore_threads():
 
 
 # ---------------------------------------------------------------- broken variants
-
-
-def residual_without_clamp(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
-    leftover = target_probs - draft_probs  # bug: negative mass is kept
-    total = leftover.sum(dim=-1, keepdim=True)
-    return torch.where(total > 0, leftover / total.clamp_min(torch.finfo(total.dtype).tiny), target_probs)
 
 
 def broken_verify_sampled(inverted_ratio: bool = False, bonus_from_last_draft: bool = False):

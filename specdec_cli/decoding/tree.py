@@ -25,9 +25,9 @@ from typing import NamedTuple
 
 import torch
 
+from specdec_cli.decoding import sampling  # looked up at each call: a patched rule (tests) reaches trees too
 from specdec_cli.decoding.host import to_device
 from specdec_cli.decoding.params import SamplingParams, TreeShape
-from specdec_cli.decoding.sampling import residual, sample, spread, warp
 
 
 class SampledChildren(NamedTuple):
@@ -41,7 +41,7 @@ class SampledChildren(NamedTuple):
 
     def q(self, rows: torch.Tensor, slots: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """[B, V] q at the node in slot `slots` [B] of each row (any q where it has no children)."""
-        return spread(self.probs[rows, self.of_slot[rows, slots].clamp_min(0)], self.vocabulary, vocab_size)
+        return sampling.spread(self.probs[rows, self.of_slot[rows, slots].clamp_min(0)], self.vocabulary, vocab_size)
 
 
 class DraftTree(NamedTuple):
@@ -285,7 +285,7 @@ def draft_log_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     all V, or a subset head's S, the columns `TreeGrowth(vocabulary=...)` takes."""
     if params.greedy:
         return logits.float().log_softmax(dim=-1)
-    return warp(logits, params).log()
+    return sampling.warp(logits, params).log()
 
 
 # ---------------------------------------------------------------- verification
@@ -370,7 +370,7 @@ def try_children(
     # a child of p(x) = 0 never passes (u >= 0)
     passed = u < kept
     drafted = torch.zeros_like(target_probs).scatter_add_(1, tokens, children.to(target_probs.dtype))
-    return passed, residual(target_probs, drafted)  # p with the children zeroed, renormalised
+    return passed, sampling.residual(target_probs, drafted)  # p with the children zeroed, renormalised
 
 
 def recursive_rejection(
@@ -418,7 +418,7 @@ def recursive_rejection(
         accept = drawn & (u[:, i] * q_x < p_x)
         passed |= accept[:, None] & (slots == slot[:, None])
         rejected = (drawn & ~accept)[:, None]
-        p = torch.where(rejected, residual(p, q), p)
+        p = torch.where(rejected, sampling.residual(p, q), p)
         if i + 1 < count:  # q' is read only by a later child
             q_without = q.scatter(1, x, 0.0)
             q = torch.where(
@@ -438,11 +438,11 @@ def verify_sampled(
     sampled = tree.sampled
 
     def test(node, children):
-        p = warp(target_logits[rows, node], params)
+        p = sampling.warp(target_logits[rows, node], params)
         if sampled is None:
             return try_children(p, tree.tokens, children, generator)
         q = sampled.q(rows, node, target_logits.shape[-1])
         return recursive_rejection(p, q, tree.tokens, children, sampled.count, generator)
 
     num_accepted, path, leftover = walk(tree, test)
-    return num_accepted, sample(leftover, generator), path
+    return num_accepted, sampling.sample(leftover, generator), path
