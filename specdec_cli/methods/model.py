@@ -6,11 +6,11 @@ import math
 
 import torch
 
+from specdec_cli.decoding import sampling  # looked up at each call, as tree.py does
 from specdec_cli.decoding.cache import CachedModel, right_padded
 from specdec_cli.decoding.drafter import Drafter, Drafts, Rows, States
 from specdec_cli.decoding.host import to_host
 from specdec_cli.decoding.params import SamplingParams, TreeShape
-from specdec_cli.decoding.sampling import sample, spread, warp
 from specdec_cli.decoding.tree import DraftTree, TreeGrowth, draft_log_probs
 
 
@@ -25,8 +25,8 @@ def draft_token(
     of the vocabulary (methods/feature/parts.py's `SubsetHead`); None: column i is token i. Warping and
     drawing over the head's columns alone gives the same q as over all V with -inf elsewhere, and is
     several times cheaper (docs/experiments/2026-12-02-feature-draft-subset-sampling.md)."""
-    q = None if params.greedy else warp(logits, params)
-    column = logits.argmax(dim=-1) if q is None else sample(q, generator)
+    q = None if params.greedy else sampling.warp(logits, params)
+    column = logits.argmax(dim=-1) if q is None else sampling.sample(q, generator)
     return (column if vocabulary is None else vocabulary[column]), q
 
 
@@ -72,7 +72,7 @@ def stack_drafts(
     head's `vocabulary` (see `draft_token`) is put at its token ids, once per block."""
     if not tokens:
         return torch.zeros(rows, 0, dtype=torch.long, device=device), torch.zeros(rows, 0, vocab_size, device=device)
-    q = None if probs[0] is None else spread(torch.stack(probs, dim=1), vocabulary, vocab_size)
+    q = None if probs[0] is None else sampling.spread(torch.stack(probs, dim=1), vocabulary, vocab_size)
     return torch.stack(tokens, dim=1), q
 
 
