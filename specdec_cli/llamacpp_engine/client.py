@@ -53,7 +53,8 @@ def build_wheel(python: Path, log: Path) -> None:
                 )
     if process.returncode != 0:
         raise SpecdecError(f"building {PACKAGE} failed (exit {process.returncode}; log: {log})")
-    say(f"built {PACKAGE} in {(time.monotonic() - start) / 60:.1f} min, kept in {folder}")
+    minutes = (time.monotonic() - start) / 60
+    say(f"{PACKAGE} wheel ready after {minutes:.1f} min (pip may have had it built), kept in {folder}")
 
 
 def setup_llamacpp() -> Path:
