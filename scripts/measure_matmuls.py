@@ -24,7 +24,7 @@ from specdec_cli.bench.prompts import builtin_suite, select
 from specdec_cli.config import apply_overrides, load_config
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.loading import decode_matmul
-from specdec_cli.loading.decode_matmul import F_LINEAR, MKL_PACKED, PACKED, PROCESS_CHOICE, TURNED, Chosen
+from specdec_cli.loading.decode_matmul import F_LINEAR, MKL_PACKED, PACKED, PROCESS_CHOICE, TRANSPOSED, Chosen
 from specdec_cli.pair import cpu_name, load_pair
 
 
@@ -58,8 +58,8 @@ def main() -> None:
         return
     products = [
         Chosen(F_LINEAR, F_LINEAR),
-        Chosen(TURNED, F_LINEAR),
-        Chosen(TURNED, PACKED),
+        Chosen(TRANSPOSED, F_LINEAR),
+        Chosen(TRANSPOSED, PACKED),
         Chosen(PACKED, PACKED),
         Chosen(MKL_PACKED, MKL_PACKED),
     ]

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from specdec_cli import interrupts, records
+from specdec_cli import interrupts
 from specdec_cli.bench.plan import choose_prompts, make_plan, parse_list
 from specdec_cli.bench.prompts import Prompt, load_prompts
 from specdec_cli.config import parse_tree
@@ -738,37 +738,19 @@ def corpus(
     extraction, retrieval, translation and follow-up turns over its own earlier answers), greedy and
     sampled, into compressed shards of token ids: the corpus `specdec distill --answers FOLDER` trains
     a draft on. Ctrl-C or a stopped machine loses at most the shard being written."""
-    from specdec_cli.bench.prompts import builtin_suite
-
     cfg = configure(config, sampling__seed=seed, runtime__threads=threads)
     target_tokens = parse_count(tokens, "--tokens")
-    shade = parse_list(temperatures, float, "--temperatures")
-    if not shade or any(t < 0 for t in shade):
+    temperature_list = parse_list(temperatures, float, "--temperatures")
+    if not temperature_list or any(t < 0 for t in temperature_list):
         raise SpecdecError(f"--temperatures {temperatures}: expected temperatures >= 0, such as 0,0.7,1")
-    excluded = [turn for p in builtin_suite() for turn in p.turns]
-    excluded += [turn for path in exclude or [] for p in load_prompts(path) for turn in p.turns]
-    from specdec_cli import display
-    from specdec_cli.distill import writing
+    from specdec_cli.commands.corpus import write_corpus  # torch/transformers load only once arguments are fine
+    from specdec_cli.distill.writing import CorpusShape
 
-    if cfg.runtime.threads:
-        import torch
-
-        torch.set_num_threads(cfg.runtime.threads)
-    shape = writing.CorpusShape(
-        cfg.target.describe(), cfg.sampling.seed, prompts_per_shard, answer_tokens, tuple(shade)
+    shape = CorpusShape(
+        cfg.target.describe(), cfg.sampling.seed, prompts_per_shard, answer_tokens, tuple(temperature_list)
     )
-    manifest = writing.write_corpus(cfg, shape, target_tokens, out, engine.value, dtype, batch_size, excluded)
-    summary = writing.summary(manifest)
-    Run(runs_dir, record, json_output).finish(
-        "corpus",
-        cfg.name,
-        {**records.header("corpus", cfg), "out": str(out), **summary},
-        lambda: display.stdout.print(
-            f"{out}: {summary['answers']:,} answers, {summary['answer_tokens']:,} answer tokens in "
-            f"{summary['shards']} shards, {summary['tokens_per_second']:.0f} answer tokens/s while writing",
-            highlight=False,
-        ),
-    )
+    run = Run(runs_dir, record, json_output)
+    write_corpus(cfg, out, target_tokens, shape, engine.value, dtype, batch_size, exclude or [], run)
 
 
 @command(

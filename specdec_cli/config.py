@@ -206,7 +206,7 @@ class Runtime:
     weights: str = "auto"
     threads: int | None = None  # CPU threads for torch; None keeps torch's default
     # off | on | auto (on where the device is a GPU): decoding forwards replay CUDA graphs
-    # (decoding/graphs.py); off by default until GPU runs have shown them exact and faster
+    # (decoding/graphs.py); off by default: no GPU run has measured them yet (docs/engine.md)
     cuda_graphs: str = "off"
     # with --engine vllm: vLLM's tensor and pipeline parallel sizes (GPUs per model copy, vLLM's own launch)
     tensor_parallel_size: int = 1

@@ -11,6 +11,7 @@ import transformers
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import specdec_cli
+from specdec_cli import display
 from specdec_cli.config import Config, ModelSpec, SuffixSettings
 from specdec_cli.decoding.cache import CachedModel
 from specdec_cli.decoding.drafter import Drafter
@@ -130,7 +131,7 @@ class Pair:
         return {
             "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
-            "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype": dtype_name(self.dtype),
             "weights": self.weights,
             "threads": torch.get_num_threads(),
             "target_weight_bytes": weight_bytes(self.target.model),  # what a target forward's products read
@@ -144,6 +145,17 @@ class Pair:
                 "python": platform.python_version(),
             },
         }
+
+
+def load_pair_showing(config: Config) -> Pair:
+    """load_pair behind a "Loading ..." line on stderr, as the commands load."""
+    with display.stderr.status(f"Loading {config.target.describe()} and {config.draft.describe()}..."):
+        return load_pair(config)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.float32 -> "float32", as records and vLLM name it."""
+    return str(dtype).removeprefix("torch.")
 
 
 def check_fits(prompt_ids: list[int], max_new_tokens: int, context_length: int) -> None:

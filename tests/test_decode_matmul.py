@@ -16,14 +16,13 @@ from specdec_cli.loading.decode_matmul import (
     MKL_PACKED,
     MKL_WIDE_ROWS,
     PACKED,
-    TURNED,
+    TRANSPOSED,
     WIDE_ROWS,
     Chosen,
     Linear,
     MatmulChoice,
     SiblingForward,
     copy_for,
-    detour,
     mkl_linear,
     mkl_pack,
     pack,
@@ -31,6 +30,7 @@ from specdec_cli.loading.decode_matmul import (
     sibling_groups,
     time_products,
     timed_weights,
+    transposed_product,
 )
 
 SHAPES = [(1, 1), (1, 2), (1, 5), (2, 3), (1, MAX_ROWS), (1, MAX_ROWS + 1), (1, 40), (7,)]
@@ -48,7 +48,7 @@ def operands(shape, with_bias, dtype=torch.float32):
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_the_turned_round_product_matches_f_linear(shape, with_bias):
     x, weight, bias = operands(shape, with_bias)
-    out = detour(x, weight, bias)
+    out = transposed_product(x, weight, bias)
     assert out.shape == (*shape, 40) and out.is_contiguous()
     torch.testing.assert_close(out, F.linear(x, weight, bias))
 
@@ -87,29 +87,29 @@ def test_the_mkl_packed_product_matches_f_linear_at_every_row_count(rows, with_b
 
 def test_mkl_packs_float32_only():
     assert mkl_pack(torch.zeros(4, 4, dtype=torch.bfloat16), MAX_ROWS) is None
-    assert copy_for(TURNED, torch.zeros(4, 4), wide=False) is None
+    assert copy_for(TRANSPOSED, torch.zeros(4, 4), wide=False) is None
 
 
 def chosen(narrow: str, dtype=torch.float32, wide: str | None = None) -> MatmulChoice:
     choice = MatmulChoice()
-    choice.chosen[dtype] = Chosen(narrow, wide or (F_LINEAR if narrow == TURNED else narrow))
+    choice.chosen[dtype] = Chosen(narrow, wide or (F_LINEAR if narrow == TRANSPOSED else narrow))
     return choice
 
 
 def test_what_no_product_was_chosen_for_is_left_to_f_linear():
     x, weight, _ = operands((1, 3), False, torch.bfloat16)
-    assert torch.equal(chosen(TURNED).linear(x, weight), F.linear(x, weight))  # chosen for float32 only
+    assert torch.equal(chosen(TRANSPOSED).linear(x, weight), F.linear(x, weight))  # chosen for float32 only
     wide, weight, _ = operands((1, MAX_ROWS + 1), False)
-    assert torch.equal(chosen(TURNED).linear(wide, weight), F.linear(wide, weight))
-    assert torch.equal(chosen(TURNED, wide=PACKED).linear(wide, weight), F.linear(wide, weight))  # no packed copy
-    assert chosen(TURNED, wide=PACKED).name(torch.float32) == f"{TURNED} up to {MAX_ROWS} rows, {PACKED} above"
+    assert torch.equal(chosen(TRANSPOSED).linear(wide, weight), F.linear(wide, weight))
+    assert torch.equal(chosen(TRANSPOSED, wide=PACKED).linear(wide, weight), F.linear(wide, weight))  # no packed copy
+    assert chosen(TRANSPOSED, wide=PACKED).name(torch.float32) == f"{TRANSPOSED} up to {MAX_ROWS} rows, {PACKED} above"
 
 
 def test_a_wide_product_is_never_turned_round():
-    assert TURNED not in time_products([torch.randn(40, 24)], WIDE_ROWS, repeats=1)
+    assert TRANSPOSED not in time_products([torch.randn(40, 24)], WIDE_ROWS, repeats=1)
 
 
-@pytest.mark.parametrize("product", [TURNED, PACKED, MKL_PACKED])
+@pytest.mark.parametrize("product", [TRANSPOSED, PACKED, MKL_PACKED])
 def test_gradients_go_through_f_linear(product):
     x, weight, _ = operands((1, MKL_FEWEST_ROWS), False)
     x.requires_grad_(True)
@@ -147,7 +147,7 @@ def rerouted(model: torch.nn.Module) -> list[bool]:
     return ["forward" in vars(m) for m in linears if not isinstance(vars(m).get("forward"), SiblingForward)]
 
 
-@pytest.mark.parametrize("product", [TURNED, PACKED, MKL_PACKED])
+@pytest.mark.parametrize("product", [TRANSPOSED, PACKED, MKL_PACKED])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("wide", [F_LINEAR, PACKED, MKL_PACKED])
 def test_a_model_decodes_the_same_through_each_product(tiny_target, product, dtype, wide):
@@ -170,7 +170,7 @@ def test_a_model_decodes_the_same_through_each_product(tiny_target, product, dty
             torch.testing.assert_close(model(input_ids=wide_ids).logits, reference, atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.parametrize("product", [F_LINEAR, TURNED, PACKED, MKL_PACKED])
+@pytest.mark.parametrize("product", [F_LINEAR, TRANSPOSED, PACKED, MKL_PACKED])
 def test_sibling_projections_share_one_weight_and_each_gets_its_own_product(tiny_target, product):
     model = fresh_copy(tiny_target)
     chosen(product).route(model)
@@ -200,7 +200,7 @@ def test_sibling_projections_with_biases_keep_their_own():
     for name, width in (("q_proj", 40), ("k_proj", 8), ("v_proj", 8)):
         setattr(attention, name, torch.nn.Linear(24, width))
     expected = {name: (m.weight.clone(), m.bias.clone()) for name, m in attention.named_children()}
-    chosen(TURNED).route(attention)
+    chosen(TRANSPOSED).route(attention)
     x = torch.randn(1, 2, 24)
     with torch.no_grad():
         outputs = {name: getattr(attention, name)(x) for name in ("q_proj", "k_proj", "v_proj")}
@@ -212,8 +212,8 @@ def test_the_first_model_of_each_dtype_decides_by_measurement(tiny_target):
     weights = [m.weight for m in tiny_target.modules() if isinstance(m, torch.nn.Linear)]
     copies = {way: [copy_for(way, w, wide=False) for w in weights] for way in (PACKED, MKL_PACKED)}
     seconds = time_products(weights, copies=copies, repeats=1)  # every way route may take
-    ways = {F_LINEAR, TURNED, PACKED, MKL_PACKED}
-    assert {F_LINEAR, TURNED} <= set(seconds) <= ways and all(s > 0 for s in seconds.values())
+    ways = {F_LINEAR, TRANSPOSED, PACKED, MKL_PACKED}
+    assert {F_LINEAR, TRANSPOSED} <= set(seconds) <= ways and all(s > 0 for s in seconds.values())
     choice = MatmulChoice()
     assert choice.name(torch.float32) is None
     model = fresh_copy(tiny_target)

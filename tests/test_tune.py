@@ -15,7 +15,7 @@ from specdec_cli.bench.plan import Mode, make_plan
 from specdec_cli.bench.prompts import Prompt
 from specdec_cli.bench.run import MakeBatchGenerator, batch_generator, run_rounds
 from specdec_cli.bench.tuning import (
-    OWN,
+    CONFIG_STYLE,
     Choice,
     Probe,
     Setting,
@@ -145,10 +145,10 @@ def test_another_style_is_written_only_where_it_was_best_wherever_it_changes_dec
     assert written_style(block, OPTIONS) == Setting(0, verification="block")
     assert [written_setting(c, Setting(0, verification="block"), OPTIONS) for c in block] == ["2", "2 block", "0"]
     block[1].measured["2"] = 1.25  # the config's own rule best at one sampled size: the config's own style
-    assert written_style(block, OPTIONS) == OWN
-    assert [written_setting(c, OWN, OPTIONS) for c in block] == ["2", "2", "0"]
+    assert written_style(block, OPTIONS) == CONFIG_STYLE
+    assert [written_setting(c, CONFIG_STYLE, OPTIONS) for c in block] == ["2", "2", "0"]
     tree = cells({(0.0, 1): {"0": 1.0, "2": 1.3, TREE.label: 1.4}, (0.0, 4): {"0": 1.0, "2": 0.9, TREE.label: 0.8}})
-    assert written_style(tree, OPTIONS) == OWN  # the tree lost to the target alone at 4, and cannot be off
+    assert written_style(tree, OPTIONS) == CONFIG_STYLE  # the tree lost to the target alone at 4, and cannot be off
     tree[1].measured[TREE.label] = 1.05
     assert written_style(tree, OPTIONS) == TREE.style
     assert [written_setting(c, TREE.style, OPTIONS) for c in tree] == [TREE.label] * 2

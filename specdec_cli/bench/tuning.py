@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from specdec_cli.decoding.metrics import StepRecord
 from specdec_cli.decoding.params import TreeShape
 
-ALONE = "0"  # the target alone's label
+TARGET_ALONE = "0"  # the target alone's label
 
 
 @dataclass(frozen=True)
@@ -60,10 +60,10 @@ class Setting:
     @property
     def cut(self) -> bool:
         """The config's own chain at some length: predicted by cutting its full drafting's blocks."""
-        return self.style == OWN
+        return self.style == CONFIG_STYLE
 
 
-OWN = Setting(0)  # the config's own drafting, as a style
+CONFIG_STYLE = Setting(0)  # the config's own drafting, as a style
 
 
 def runs_under(setting: Setting, style: Setting, greedy: bool) -> bool:
@@ -78,14 +78,14 @@ def runs_under(setting: Setting, style: Setting, greedy: bool) -> bool:
 
 def changes(style: Setting, greedy: bool) -> bool:
     """Whether `style` decodes differently from the config's own: a rule alone changes sampled chains only."""
-    return style != OWN and not (greedy and style.tree is None and style.threshold is None)
+    return style != CONFIG_STYLE and not (greedy and style.tree is None and style.threshold is None)
 
 
 @dataclass(frozen=True)
 class Probe:
     """What one batch size's probes measured at one temperature, per candidate label: a block of the
     whole batch (drafting, verifying and the loop's own work), the rows decoding in it (rows leave at
-    EOS), and tokens/s; the target alone's tokens/s under ALONE."""
+    EOS), and tokens/s; the target alone's tokens/s under TARGET_ALONE."""
 
     batch_size: int
     block_seconds: dict[str, float]
@@ -94,7 +94,7 @@ class Probe:
 
     @property
     def alone_tokens_per_second(self) -> float:
-        return self.tokens_per_second[ALONE]
+        return self.tokens_per_second[TARGET_ALONE]
 
 
 def mean_accepted(steps: list[StepRecord], tokens: int, replay: bool) -> float:
@@ -143,7 +143,7 @@ class Choice:
     batch_size: int
     temperature: float
     predicted: dict[str, float]  # label -> predicted speedup
-    measured: dict[str, float]  # label -> measured speedup (finalists; ALONE is the target alone)
+    measured: dict[str, float]  # label -> measured speedup (finalists; TARGET_ALONE is the target alone)
     accepted_length: dict[str, float | None]  # label -> measured mean accepted length
     config_label: str  # what the config as it is drafts at this batch size (its schedule's, else its longest block)
 
@@ -167,9 +167,9 @@ def order(label: str) -> tuple:
 def finalists(predicted: dict[str, float], always: set[str], count: int) -> list[str]:
     """The candidates to run for real: the target alone, `always` (the config's own), and the `count`
     predicted best of the others."""
-    rest = sorted((label for label in predicted if label not in {ALONE, *always}), key=order)
+    rest = sorted((label for label in predicted if label not in {TARGET_ALONE, *always}), key=order)
     best = sorted(rest, key=lambda label: -predicted[label])[:count]
-    return sorted({ALONE, *always, *best}, key=order)
+    return sorted({TARGET_ALONE, *always, *best}, key=order)
 
 
 def schedule_ranges(chosen: dict[int, int]) -> list[list[int]]:
@@ -195,7 +195,7 @@ def written_style(choices: list[Choice], candidates: dict[str, Setting]) -> Sett
         best = [(candidates[c.chosen], c.temperature == 0) for c in choices if changes(style, c.temperature == 0)]
         if any(s.style == style for s, _ in best) and all(runs_under(s, style, greedy) for s, greedy in best):
             return style
-    return OWN
+    return CONFIG_STYLE
 
 
 def written_setting(choice: Choice, style: Setting, candidates: dict[str, Setting]) -> str:

@@ -20,7 +20,7 @@ from specdec_cli.decoding.engine import GenerationResult
 from specdec_cli.errors import SpecdecError
 from specdec_cli.loading.checkpoints import load_tokenizer, model_folder
 from specdec_cli.loading.tokens import encode_prompt
-from specdec_cli.pair import Pair, check_fits, resolve_device, resolve_dtype
+from specdec_cli.pair import Pair, check_fits, dtype_name, resolve_device, resolve_dtype
 from specdec_cli.vllm_engine.client import VllmWorker
 from specdec_cli.vllm_engine.settings import (
     engine_settings,
@@ -149,7 +149,7 @@ def run_vllm(
 ) -> VllmRuns:
     """Every vLLM mode of the plan, at batch 1 and at each larger batch size, an engine per num_draft_tokens."""
     done = VllmRuns([], [], False, "", "")
-    dtype = str(pair.dtype).removeprefix("torch.")
+    dtype = dtype_name(pair.dtype)
     schedule = vllm_schedule(pair.config, plan.temperatures)
     for num_draft_tokens, modes in plan.engine_modes().items():
         speculative = speculative_config(pair.config.draft, num_draft_tokens, schedule) if num_draft_tokens else None

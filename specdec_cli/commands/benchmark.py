@@ -29,7 +29,7 @@ from specdec_cli.bench.summary import (
 )
 from specdec_cli.config import Config
 from specdec_cli.errors import EXIT_GATE_FAILED, SpecdecError
-from specdec_cli.pair import load_pair
+from specdec_cli.pair import dtype_name, load_pair_showing
 
 
 @dataclass
@@ -88,8 +88,7 @@ def prepare(cfg: Config, plan: Plan):
         pair = target_text(cfg)  # vLLM loads the models: specdec only encodes the prompts
         caption = VLLM_ENGINE
     else:
-        with display.stderr.status(f"Loading {cfg.target.describe()} and {cfg.draft.describe()}..."):
-            pair = load_pair(cfg)
+        pair = load_pair_showing(cfg)
     if plan.peer == HF:
         from specdec_cli.bench.peers import hf_peer_engine, peer_caption
 
@@ -197,7 +196,7 @@ def benchmark_record(
         from specdec_cli.vllm_engine.settings import environment
 
         found = measured.versions or {}
-        dtype = str(pair.dtype).removeprefix("torch.")
+        dtype = dtype_name(pair.dtype)
         where = environment(cfg, dtype, found.get("vllm", ""), found.get("vllm_device", ""))
     else:
         from specdec_cli.bench.bandwidth import read_bandwidth

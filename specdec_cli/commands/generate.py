@@ -11,12 +11,11 @@ from specdec_cli.decoding.engine import GenerationResult, combined
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.loading.checkpoints import load_tokenizer
 from specdec_cli.loading.tokens import encode_prompt
-from specdec_cli.pair import Pair, load_pair, resolve_device, resolve_dtype
+from specdec_cli.pair import Pair, dtype_name, load_pair_showing, resolve_device, resolve_dtype
 
 
 def load(cfg: Config) -> Pair:
-    with display.stderr.status(f"Loading {cfg.target.describe()} and {cfg.draft.describe()}..."):
-        pair = load_pair(cfg)
+    pair = load_pair_showing(cfg)
     if pair.drafter.reads_target_states:
         # which format, and which target states it reads: a wrong guess runs, but drafts badly
         display.stderr.print(f"Draft: {pair.draft_description}")
@@ -169,7 +168,7 @@ def generate_vllm(cfg: Config, prompts: list[Prompt], raw: bool, run: records.Ru
     encoded = [encode_prompt(tokenizer, p.turns[0], raw) for p in prompts]
     num_draft_tokens = cfg.speculation.num_draft_tokens
     speculative = speculative_config(cfg.draft, num_draft_tokens, vllm_schedule(cfg, [cfg.sampling.temperature]))
-    dtype = str(resolve_dtype(cfg.runtime.dtype, resolve_device(cfg.runtime.device))).removeprefix("torch.")
+    dtype = dtype_name(resolve_dtype(cfg.runtime.dtype, resolve_device(cfg.runtime.device)))
     settings = engine_settings(cfg, dtype, speculative)
     params = SamplingParams.from_config(cfg.sampling)
     ignore_eos = cfg.generation.ignore_eos

@@ -23,8 +23,8 @@ from specdec_cli.bench.report import Report, environment_caption, markdown_docum
 from specdec_cli.bench.run import MakeBatchGenerator, run_rounds
 from specdec_cli.bench.summary import summarize_batches
 from specdec_cli.bench.tuning import (
-    ALONE,
-    OWN,
+    CONFIG_STYLE,
+    TARGET_ALONE,
     Choice,
     Probe,
     Setting,
@@ -42,7 +42,7 @@ from specdec_cli.config import VERIFICATIONS, Config, Schedule, Speculation, lon
 from specdec_cli.decoding.metrics import StepRecord
 from specdec_cli.decoding.params import BatchSchedule, TreeShape
 from specdec_cli.errors import SpecdecError
-from specdec_cli.pair import Pair, load_pair
+from specdec_cli.pair import Pair, load_pair_showing
 
 
 class Stopped(Exception):
@@ -201,8 +201,7 @@ def tune(cfg: Config, prompts: list[Prompt], settings: TuneSettings, run: record
     (its acceptance, cut short, predicts every shorter length's; its speedup scales the probe's), a probe
     of every candidate, then the predicted best few and the target alone."""
     check_tunable(cfg)
-    with display.stderr.status(f"Loading {cfg.target.describe()} and {cfg.draft.describe()}..."):
-        pair = load_pair(cfg)
+    pair = load_pair_showing(cfg)
     options = candidates(cfg, pair)
     replay = pair.drafter.copies_context
     full, plan, started = Setting(longest_block(cfg)), settings.plan, time.monotonic()
@@ -242,7 +241,7 @@ def tune(cfg: Config, prompts: list[Prompt], settings: TuneSettings, run: record
             for key in keys:
                 temperature, size = key
                 what = "full drafting beside the target alone"
-                runs = round_by_round(size, temperature, [ALONE, full.label], what, into=acceptance_runs)
+                runs = round_by_round(size, temperature, [TARGET_ALONE, full.label], what, into=acceptance_runs)
                 steps = [
                     StepRecord(*s)
                     for r in runs
@@ -264,12 +263,12 @@ def tune(cfg: Config, prompts: list[Prompt], settings: TuneSettings, run: record
                 )
                 bar.update(task, description=f"probe: batch size {size}, {temperature_label(temperature)}")
                 # a rule alone changes sampled chains only: greedy, it would rerun the config's chain
-                here = [s for s in options.values() if s.cut or changes(s.style, greedy=temperature == 0)]
+                probed = [s for s in options.values() if s.cut or changes(s.style, greedy=temperature == 0)]
                 sample = probe_prompts(prompts, size, settings.sample)
-                probes[key], runs = probe(pair, sample, size, temperature, here, plan)
+                probes[key], runs = probe(pair, sample, size, temperature, probed, plan)
                 probe_runs.extend(runs)
                 bar.advance(task)
-                predicted = predicted_speedups(probes[key], here, steps, replay, full, full_speedup)
+                predicted = predicted_speedups(probes[key], probed, steps, replay, full, full_speedup)
                 choices[key] = Choice(size, temperature, predicted, {}, {}, config_label(cfg, size, temperature))
                 if budget_spent(started, settings.budget_minutes):
                     raise Stopped
@@ -280,13 +279,13 @@ def tune(cfg: Config, prompts: list[Prompt], settings: TuneSettings, run: record
             partial = True
     for key, choice in choices.items():
         measured = [r for r in batch_runs if (r["temperature"], r["batch_size"]) == key]
-        for label in {r["setting"] for r in measured} - {ALONE}:
+        for label in {r["setting"] for r in measured} - {TARGET_ALONE}:
             row = summary_row(measured, label)
             if row:
                 choice.measured[label] = row["speedup"][0]
                 choice.accepted_length[label] = row["mean_accepted_length"]
         if choice.measured:
-            choice.measured[ALONE] = 1.0
+            choice.measured[TARGET_ALONE] = 1.0
     by_purpose = {"acceptance_runs": acceptance_runs, "probe_runs": probe_runs, "batch_runs": batch_runs}
     finish(cfg, pair, settings, options, choices, probes, acceptance, by_purpose, partial, run)
 
@@ -294,7 +293,7 @@ def tune(cfg: Config, prompts: list[Prompt], settings: TuneSettings, run: record
 def summary_row(runs: list[dict], label: str) -> dict | None:
     """`label` against the target alone in runs that ran them round by round (one setting at a time:
     settings that differ only in threshold would share a summary's group)."""
-    rows = summarize_batches([], [r for r in runs if r["setting"] in (ALONE, label)])
+    rows = summarize_batches([], [r for r in runs if r["setting"] in (TARGET_ALONE, label)])
     return rows[0] if rows else None
 
 
@@ -379,7 +378,7 @@ def finish(
         },
         "candidates": list(options),
         # what tuned.yaml changes besides the schedule (null: the config's tree, rule and threshold)
-        "style": None if style == OWN else style.label,
+        "style": None if style == CONFIG_STYLE else style.label,
         "choices": [
             dataclasses.asdict(c) | {"chosen": c.chosen, "written": written[key]} for key, c in choices.items()
         ],
@@ -409,12 +408,12 @@ def finish(
 
 
 def shown(label: str) -> str:
-    return "off" if label == ALONE else label
+    return "off" if label == TARGET_ALONE else label
 
 
 def tune_table(choices: dict[tuple[float, int], Choice], written: dict[tuple[float, int], str], full: str) -> Report:
     """Batch size x temperature: the setting tuned.yaml runs, its predicted and measured speedup, the
-    config's, the full drafting's two measurements (how far two runs of one setting fall apart here),
+    config's, the full drafting's two measurements (how far two runs of one setting fall apart probed),
     and the measured best of all where tuned.yaml could not take it."""
     rows = []
     for key, c in sorted(choices.items()):
@@ -460,7 +459,7 @@ def tune_table(choices: dict[tuple[float, int], Choice], written: dict[tuple[flo
 
 def schedule_report(style: Setting, schedule: Schedule | None) -> Report:
     """What tune wrote: the style, and the schedule as ranges of batch sizes."""
-    rows = [["style", "the config's own" if style == OWN else style.label]]
+    rows = [["style", "the config's own" if style == CONFIG_STYLE else style.label]]
     if schedule is not None:
         rows += [
             [kind, BatchSchedule.parse(ranges).describe()]

@@ -213,8 +213,8 @@ class SpeculativeDecoder:
             remaining = max(max_new_tokens - len(results[row].token_ids) for row in active)
             num_draft_tokens = self._block_length(len(active), remaining)
             block_start = self.clock.mark()
-            trees_now = self.tree is not None and num_draft_tokens
-            block = (self._tree_block if trees_now else self._chain_block)(
+            as_tree = self.tree is not None and num_draft_tokens
+            block = (self._tree_block if as_tree else self._chain_block)(
                 last_token, num_draft_tokens, generator, wants_states
             )
             accepted, tokens, draft_ids = block.outcome()

@@ -303,12 +303,12 @@ def walk(tree: DraftTree, test) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     order = torch.arange(1, n + 1, device=node.device)
     for _ in range(tree.depth + 1):  # the last step finds no children: the bonus token's node
         children = tree.parents == node[:, None]
-        passed, here = test(node, children)
+        passed, node_outcome = test(node, children)
         passed = passed & children & walking[:, None]
         moves = passed.any(dim=1)
         stops = walking & ~moves
-        shape = (-1,) + (1,) * (here.dim() - 1)
-        outcome = here if outcome is None else torch.where(stops.view(shape), here, outcome)
+        shape = (-1,) + (1,) * (node_outcome.dim() - 1)
+        outcome = node_outcome if outcome is None else torch.where(stops.view(shape), node_outcome, outcome)
         first = torch.where(passed, order, n + 1).min(dim=1).values  # the first child that passed
         node = torch.where(moves, first, node)
         walking = moves

@@ -21,6 +21,7 @@ from specdec_cli.loading.checkpoints import first_lines
 from specdec_cli.loading.target_states import target_layers
 from specdec_cli.methods.feature import eagle3_export
 from specdec_cli.methods.feature.draft import EMBEDDING, own_weights, save_draft, starting_layers
+from specdec_cli.pair import dtype_name
 
 WORK = "distill-work"  # subfolder of the output: corpus and training state until training ends
 STATE = "train-state.pt"  # (train-state-eagle3.pt for an EAGLE-3 draft)
@@ -111,7 +112,7 @@ def trained_with(settings: DistillSettings, target: PreTrainedModel, target_name
         "target_layers": list(read_layers(settings, target)),
         "init_layers": starting_layers(target.config, settings.num_layers, settings.init_layers),
         "target": target_name,
-        "dtype": str(target.dtype).removeprefix("torch."),
+        "dtype": dtype_name(target.dtype),
         "corpus": hashlib.sha256(answers).hexdigest()[:12],
     }
 

@@ -3,7 +3,7 @@
 A decoding forward multiplies every weight matrix W [out, in] by one to a few token rows x [n, in].
 Which kernel is fastest at that shape depends on the CPU and the dtype. Four ways:
 - `x @ W.T`: torch's F.linear;
-- `W @ x.T`: the same product turned round, a lone row doubled; faster on some CPUs in float32 at
+- `W @ x.T`: the same product transposed, a lone row doubled; faster on some CPUs in float32 at
   a few rows, slower on others (docs/experiments/2026-12-02-decode-matmul.md);
 - `oneDNN, prepacked`: oneDNN's linear on a copy of W laid out once, at load, for the CPU's matrix
   instructions (what inductor's weight freezing and vLLM's CPU build use): the layout is paid once,
@@ -15,7 +15,7 @@ Which kernel is fastest at that shape depends on the CPU and the dtype. Four way
   `MKL_WIDE_ROWS` (a prompt), the plain product serves.
 The first CPU model of each dtype (float32, bfloat16) that a process loads times them over its own
 weight matrices as its forward takes them (`timed_weights`), at a few rows (up to `MAX_ROWS`: a
-decoding step, a verification) and at many (a batch's verification; the turned-round way is not a
+decoding step, a verification) and at many (a batch's verification; the transposed way is not a
 candidate there), and the fastest of each serves every later product of that dtype in the process
 (`PROCESS_CHOICE`: the target and its draft alike). F.linear takes everything on GPUs, with
 gradients or under autocast. Results differ from F.linear's in the last bits at most (another
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from specdec_cli.loading import quantized
 
-MAX_ROWS = 8  # beyond this the turned-round product was as fast as F.linear or slower
+MAX_ROWS = 8  # a decoding step or verification block: the transposed product and the narrow copies serve up to it
 TIMED_BYTES = 256 * 2**20  # weights timed: enough to stream from memory, as in a forward
 NARROW_ROWS = (1, 4)  # a target-only decoding step and a verification block of 3 draft tokens
 WIDE_ROWS = (16, 20)  # a batch of 4 rows verifying 3 or 4 draft tokens each
@@ -52,10 +52,10 @@ SIBLING_NAMES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 MKL_WIDE_ROWS = 32  # MKL's wide copy: a batch of rows verifying a few draft tokens each
 MKL_FEWEST_ROWS = 4  # below, the plain product is as fast and padding to MAX_ROWS rows would cost
 
-F_LINEAR, TURNED, PACKED, MKL_PACKED = "x @ W.T", "W @ x.T", "oneDNN, prepacked", "MKL, prepacked"
+F_LINEAR, TRANSPOSED, PACKED, MKL_PACKED = "x @ W.T", "W @ x.T", "oneDNN, prepacked", "MKL, prepacked"
 
 
-def detour(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def transposed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) taken as (W @ x.T).T, a lone row doubled (one column would take the
     matrix-vector kernel)."""
     rows = x.reshape(-1, x.shape[-1])
@@ -124,12 +124,14 @@ def time_products(
     repeats: int = 3,
 ) -> dict[str, float]:
     """Seconds to multiply `weights` by each of `timed_rows` token rows, each way this CPU has (best of
-    `repeats`, after one warm-up pass; the turned-round way only up to `MAX_ROWS` rows, a way that
+    `repeats`, after one warm-up pass; the transposed way only up to `MAX_ROWS` rows, a way that
     reads a copy where `copies` holds each weight's copy for it). Each repeat is a round that times
     every way in turn, so that a passing disturbance (another process starting or ending) slows them
     alike instead of deciding the choice."""
     inputs = {w.shape[1]: torch.randn(max(timed_rows), w.shape[1], dtype=w.dtype) for w in weights}
-    products = {F_LINEAR: F.linear, TURNED: detour} if max(timed_rows) <= MAX_ROWS else {F_LINEAR: F.linear}
+    products = (
+        {F_LINEAR: F.linear, TRANSPOSED: transposed_product} if max(timed_rows) <= MAX_ROWS else {F_LINEAR: F.linear}
+    )
     for name, made in (copies or {}).items():
         if all(c is not None for c in made):
             products[name] = with_copies(name, dict(zip(map(id, weights), made)))
@@ -290,8 +292,8 @@ class MatmulChoice:
             return packed_linear(x, copy, bias)
         if product == MKL_PACKED and copy is not None:
             return mkl_linear(x, copy, weight, bias)
-        if product == TURNED:
-            return detour(x, weight, bias)
+        if product == TRANSPOSED:
+            return transposed_product(x, weight, bias)
         return F.linear(x, weight, bias)
 
     def route(self, model: torch.nn.Module, weights: str = "float") -> None:

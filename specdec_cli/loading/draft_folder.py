@@ -1,6 +1,7 @@
 """A draft checkpoint folder as every format reads it (its config.json and, read when first asked
-for, its tensors), and what a draft format is. Format modules (methods/feature/eagle.py, dflash.py,
-medusa.py, feature_draft.py) import this, never the registry (methods/formats.py) that lists them.
+for, its tensors), and what a draft format is. Format modules (methods/feature/draft.py and eagle.py,
+methods/dflash/checkpoint.py, methods/medusa/checkpoint.py) import this, never the registry
+(methods/formats.py) that lists them.
 
 Weights load from safetensors; a pickle (`WEIGHTS`) only with `torch.load(weights_only=True)`.
 """

@@ -1,7 +1,8 @@
 """The draft formats specdec reads, recognised from the folder itself (its config.json and tensor
 names, as serving engines do). Each format is one module that recognises a folder of it, loads it
-against the target and drafts with it: specdec's own (feature_draft.py), DFlash (dflash.py), Medusa
-(medusa.py), EAGLE-3 and EAGLE-1/2 (eagle.py). `FORMATS` only lists them: the first format whose
+against the target and drafts with it: specdec's own (methods/feature/draft.py), DFlash
+(methods/dflash/checkpoint.py), Medusa (methods/medusa/checkpoint.py), EAGLE-3 and EAGLE-1/2
+(methods/feature/eagle.py). `FORMATS` only lists them: the first format whose
 config.json a folder is loads it, else (a config that does not say) the first whose tensor names it
 holds, read from the headers of the weight files alone.
 """

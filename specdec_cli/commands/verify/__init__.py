@@ -36,7 +36,7 @@ from specdec_cli.commands.verify.statistics import FAIL, MIN_EXPECTED, NOT_RUN, 
 from specdec_cli.config import Config
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, SpecdecError
-from specdec_cli.pair import Pair, load_pair
+from specdec_cli.pair import Pair, load_pair_showing
 
 # Default prompts: a chat turn whose template repeats tokens, so an n-gram drafter finds matches too.
 DEFAULT_PROMPTS = [
@@ -99,8 +99,7 @@ def verify_distribution(
     record), write the record; a failed check raises with EXIT_CHECK_FAILED, and too few checks run (too
     few draws) with EXIT_BAD_INPUT."""
     check_options(samples, significance)
-    with display.stderr.status(f"Loading {cfg.target.describe()} and {cfg.draft.describe()}..."):
-        pair = load_pair(cfg)
+    pair = load_pair_showing(cfg)
     settings = make_settings(pair, prompts, samples, significance, batch_size)
     start = time.perf_counter()
     with display.progress() as bar:
