@@ -120,21 +120,6 @@ class DraftSpec(ModelSpec):
     def has_model(self) -> bool:
         return self.checkpoint is not None or self.tiny is not None
 
-    def describe(self) -> str:
-        if self.ngram:
-            return f"ngram(n={self.ngram.min_n}..{self.ngram.max_n})"
-        if self.recycling:
-            return f"recycling(candidates={self.recycling.candidates})"
-        suffix = self.suffix and f"suffix(depth={self.suffix.max_tree_depth})"
-        if suffix and not self.has_model:
-            return suffix
-        ahead = self.lookup or self.suffix
-        if not ahead:
-            return super().describe()
-        length = "" if ahead.num_draft_tokens is None else f", up to {ahead.num_draft_tokens} tokens"
-        first = suffix[:-1] if suffix else f"lookup(n={self.lookup.min_n}..{self.lookup.max_n}"
-        return super().describe() + f" after {first}{length})"
-
 
 @dataclass
 class Sampling:

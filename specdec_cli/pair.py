@@ -12,7 +12,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 import specdec_cli
 from specdec_cli import display
-from specdec_cli.config import Config, ModelSpec, SuffixSettings
+from specdec_cli.config import Config, ModelSpec
 from specdec_cli.decoding.cache import CachedModel
 from specdec_cli.decoding.drafter import Drafter
 from specdec_cli.decoding.engine import SpeculativeDecoder
@@ -21,17 +21,13 @@ from specdec_cli.decoding.verification import chain_rule
 from specdec_cli.errors import SpecdecError
 from specdec_cli.loading.checkpoints import check_embedding, load_model, shipped_weights
 from specdec_cli.loading.decode_matmul import PROCESS_CHOICE, weight_bytes
-from specdec_cli.loading.draft_folder import Wiring
 from specdec_cli.loading.quantized import KINDS as QUANTIZED
 from specdec_cli.loading.target_states import LAST
 from specdec_cli.loading.tokens import encode_prompt, eos_token_ids
+from specdec_cli.methods import registry
 from specdec_cli.methods.context import ContextDrafter
-from specdec_cli.methods.formats import DRAFT_FORMAT, FORMATS, load_format
+from specdec_cli.methods.formats import load_format
 from specdec_cli.methods.lookup import LookupFirstDrafter
-from specdec_cli.methods.model import ModelDrafter
-from specdec_cli.methods.ngram import NgramDrafter
-from specdec_cli.methods.recycling import RecyclingDrafter
-from specdec_cli.methods.suffix import SuffixDrafter
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -149,7 +145,7 @@ class Pair:
 
 def load_pair_showing(config: Config) -> Pair:
     """load_pair behind a "Loading ..." line on stderr, as the commands load."""
-    with display.stderr.status(f"Loading {config.target.describe()} and {config.draft.describe()}..."):
+    with display.stderr.status(f"Loading {config.target.describe()} and {registry.describe(config.draft)}..."):
         return load_pair(config)
 
 
@@ -177,18 +173,6 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def check_tokenizers(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizerBase) -> None:
-    """The acceptance test compares token ids: both models must give every token the same id."""
-    target_vocab, draft_vocab = target.get_vocab(), draft.get_vocab()
-    if target_vocab != draft_vocab:
-        differing = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()), key=lambda kv: kv[1])
-        token, _ = differing[0]
-        raise SpecdecError(
-            f"draft and target tokenizers disagree on token ids ({len(differing)} entries "
-            f"differ, e.g. {token!r}): speculative decoding needs a shared vocabulary"
-        )
-
-
 def load_checkpoint(
     spec: ModelSpec,
     device: torch.device,
@@ -199,11 +183,6 @@ def load_checkpoint(
     """A target or a draft: in a draft format of methods/ (recognised from the folder), else
     transformers' checkpoint. `target` is given when loading a draft; `weights`: float, int8 or int4."""
     return load_model(spec, device, dtype, target, read_format=load_format, weights=weights)
-
-
-def suffix_drafter(settings: SuffixSettings, vocab_size: int, device: torch.device) -> SuffixDrafter:
-    limits = {k: v for k, v in vars(settings).items() if k != "num_draft_tokens"}  # the blocks' length is the loop's
-    return SuffixDrafter(vocab_size, device, **limits)
 
 
 def load_pair(config: Config) -> Pair:
@@ -219,37 +198,17 @@ def load_pair(config: Config) -> Pair:
     model, tokenizer = load_checkpoint(config.target, device, dtype, weights=weights)
     check_embedding(model, tokenizer, f"target {config.target.describe()}")
     vocab_size = model.get_output_embeddings().out_features
-    state_layers, description, lookup, causal_draft = LAST, None, None, None
     threshold = config.speculation.confidence_threshold
-    if config.draft.ngram is not None:
-        drafter = NgramDrafter(config.draft.ngram.max_n, config.draft.ngram.min_n, vocab_size, device)
-    elif config.draft.recycling is not None:
-        drafter = RecyclingDrafter(config.draft.recycling.candidates, vocab_size, device)
-    elif not config.draft.has_model:
-        drafter = suffix_drafter(config.draft.suffix, vocab_size, device)
-    else:
-        draft_model, draft_tokenizer = load_checkpoint(config.draft, device, dtype, target=model, weights=weights)
-        if draft_tokenizer is not None:  # a draft without one (EAGLE's) uses the target's
-            check_tokenizers(tokenizer, draft_tokenizer)
-        kind = getattr(draft_model.config, DRAFT_FORMAT, None)
-        if kind is None:  # a causal LM drafts from tokens alone: every token the target writes
-            check_embedding(draft_model, tokenizer, f"draft {config.draft.describe()}")
-            causal_draft = draft_model
-            wiring = Wiring(
-                ModelDrafter(CachedModel(draft_model, vocab_size, graphs=graphs), threshold), LAST, "reads tokens only"
-            )
-        else:
-            wiring = FORMATS[kind].wire(draft_model, vocab_size, threshold, graphs)
-        drafter, state_layers = wiring.drafter, wiring.state_layers  # the states the target hands the draft
-        description = f"{kind or 'causal LM'} draft, {wiring.reads}"
-        if config.draft.lookup is not None:
-            lookup = NgramDrafter(config.draft.lookup.max_n, config.draft.lookup.min_n, vocab_size, device)
-        if config.draft.suffix is not None:
-            lookup = suffix_drafter(config.draft.suffix, vocab_size, device)
-    if threshold and not drafter.stops_when_unsure:
+    parts = registry.Target(model, tokenizer, vocab_size, device, dtype, weights, graphs, threshold)
+    method, settings = registry.drafting(config.draft)
+    built = method.build(settings, parts)
+    lead = registry.ahead(config.draft)
+    lookup = lead[0].build(lead[1], parts).drafter if lead is not None else None
+    if threshold and not built.drafter.stops_when_unsure:
         raise SpecdecError(
             "confidence_threshold applies to drafts that draft token by token (a draft model, a feature "
             "or EAGLE draft): this draft proposes its block at once"
         )
-    target = CachedModel(model, vocab_size, state_layers, graphs)
+    target = CachedModel(model, vocab_size, built.state_layers or LAST, graphs)
+    drafter, description, causal_draft = built.drafter, built.description, built.causal_draft
     return Pair(config, tokenizer, target, drafter, device, dtype, weights, description, lookup, causal_draft)

@@ -15,9 +15,10 @@ from conftest import earlier_answers
 from specdec_cli.commands.verify import checks, statistics
 from specdec_cli.config import SuffixSettings, load_config
 from specdec_cli.decoding.params import SamplingParams, TreeShape
+from specdec_cli.methods import registry
 from specdec_cli.methods.recycling import RecyclingDrafter, template
 from specdec_cli.methods.suffix import GrowingTrie, SuffixDrafter, SuffixTrie
-from specdec_cli.pair import load_pair, suffix_drafter
+from specdec_cli.pair import load_pair
 
 CPU = torch.device("cpu")
 TREE = {"depth": 3, "top_k": 2, "max_nodes": 6}
@@ -72,7 +73,9 @@ def test_a_trie_counts_every_substring_up_to_its_depth_and_forgets_what_is_taken
 
 
 def drafter(**settings) -> SuffixDrafter:
-    return suffix_drafter(SuffixSettings(**settings), 258, CPU)
+    """Suffix decoding as the registry builds it from draft.suffix, for a target of 258 ids."""
+    target = registry.Target(None, None, 258, CPU, torch.float32, "float", False, 0.0)
+    return registry.SUFFIX.build(SuffixSettings(**settings), target).drafter
 
 
 def test_suffix_decoding_drafts_the_most_frequent_continuation_of_the_best_match():

@@ -16,6 +16,7 @@ from specdec_cli.config import NgramSettings
 from specdec_cli.decoding.metrics import StepRecord
 from specdec_cli.llamacpp_engine.client import LlamacppWorker
 from specdec_cli.loading.checkpoints import gguf_file
+from specdec_cli.methods import registry
 from specdec_cli.pair import Pair
 
 CONTEXT = 4096  # llama.cpp's context: prompts and answers of a benchmark fit in it
@@ -35,10 +36,10 @@ LLAMACPP_FAIRNESS = (
 
 def llamacpp_peer_engine(pair: Pair) -> tuple[str, str | None]:
     """llama.cpp's speculative engine, and why it is not the config's drafter (None when it is)."""
-    if pair.config.draft.ngram is not None and pair.lookup is None:
+    if registry.drafting(pair.config.draft)[0].engines_lookup:
         return LLAMACPP_LOOKUP, None
     return LLAMACPP_LOOKUP, (
-        f"llama-cpp-python drafts by prompt lookup only, not by specdec's {pair.config.draft.describe()}: the "
+        f"llama-cpp-python drafts by prompt lookup only, not by specdec's {registry.describe(pair.config.draft)}: the "
         f"llamacpp peer runs its target alone and its prompt lookup."
     )
 

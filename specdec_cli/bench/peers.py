@@ -21,13 +21,14 @@ from specdec_cli.bench.report import LOOKUP_NOTE, PEER_FAIRNESS
 from specdec_cli.config import NgramSettings
 from specdec_cli.decoding.engine import GenerationResult
 from specdec_cli.decoding.params import SamplingParams
+from specdec_cli.methods import registry
 from specdec_cli.pair import Pair
 
 
 def hf_peer_engine(pair: Pair) -> tuple[str, str | None]:
     """The hf peer's speculative engine for this pair, and why it is not the config's drafter (None
     when it is)."""
-    if pair.config.draft.ngram is not None:
+    if registry.drafting(pair.config.draft)[0].engines_lookup:
         return HF_LOOKUP, None
     if pair.lookup is not None:
         why = "it has no counterpart of specdec's prompt lookup ahead of a draft"
@@ -45,7 +46,7 @@ def hf_peer_engine(pair: Pair) -> tuple[str, str | None]:
     elif pair.drafter.reads_target_states:
         why = "the draft reads the target's hidden states"  # EAGLE-style, Medusa, DFlash
     else:
-        why = f"it has no counterpart of specdec's {pair.config.draft.describe()}"
+        why = f"it has no counterpart of specdec's {registry.describe(pair.config.draft)}"
     return HF_LOOKUP, (
         f"transformers' assisted generation cannot run this draft: {why}; the hf peer runs "
         f"plain generate() and transformers' prompt lookup instead."

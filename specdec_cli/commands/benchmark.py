@@ -29,6 +29,7 @@ from specdec_cli.bench.summary import (
 )
 from specdec_cli.config import Config
 from specdec_cli.errors import EXIT_GATE_FAILED, SpecdecError
+from specdec_cli.methods import registry
 from specdec_cli.pair import dtype_name, load_pair_showing
 
 
@@ -231,7 +232,7 @@ def report(cfg: Config, record: dict, run: records.Run) -> None:
     summary, peers = record["summary"], record["peers"]
     tables = (
         [
-            category_report(summary, cfg.draft.describe(), rule, record["engine_note"], record["engine"]),
+            category_report(summary, registry.describe(cfg.draft), rule, record["engine_note"], record["engine"]),
             detail_report(summary, rule),
         ]
         + ([peer_report(peers, record["peer_fairness"])] if peers else [])

@@ -11,6 +11,7 @@ from specdec_cli.decoding.engine import GenerationResult, combined
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.loading.checkpoints import load_tokenizer
 from specdec_cli.loading.tokens import encode_prompt
+from specdec_cli.methods import registry
 from specdec_cli.pair import Pair, dtype_name, load_pair_showing, resolve_device, resolve_dtype
 
 
@@ -172,7 +173,7 @@ def generate_vllm(cfg: Config, prompts: list[Prompt], raw: bool, run: records.Ru
     settings = engine_settings(cfg, dtype, speculative)
     params = SamplingParams.from_config(cfg.sampling)
     ignore_eos = cfg.generation.ignore_eos
-    with display.stderr.status(f"Starting vLLM with {cfg.target.describe()} and {cfg.draft.describe()}..."):
+    with display.stderr.status(f"Starting vLLM with {cfg.target.describe()} and {registry.describe(cfg.draft)}..."):
         worker = VllmWorker(settings)
     with worker, display.stderr.status(f"Generating {len(prompts)} answer(s) in vLLM..."):
         reply = worker.generate(

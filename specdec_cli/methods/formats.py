@@ -9,6 +9,7 @@ holds, read from the headers of the weight files alone.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -42,6 +43,14 @@ def recognise(folder: DraftFolder) -> str | None:
             if getattr(fmt, test)(folder):
                 return name
     return None
+
+
+def folder_format(path: str) -> str | None:
+    """The format recognised in the draft folder `path` (None: a causal LM, or a hub id); no tensor is read."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return None
+    return recognise(DraftFolder(Path(path), json.loads(config.read_text())))
 
 
 def load_format(

@@ -8,6 +8,7 @@ import torch
 
 from specdec_cli.decoding.params import TreeShape
 from specdec_cli.methods.context import ContextDrafter
+from specdec_cli.methods.registry import Built, Target
 
 
 class NgramDrafter(ContextDrafter):
@@ -55,3 +56,8 @@ class NgramDrafter(ContextDrafter):
             if branches == shape.top_k or len(tokens) == shape.max_nodes:
                 break
         return tokens, parents
+
+
+def build(settings, target: Target) -> Built:
+    """Prompt lookup with `settings`' n-gram sizes (draft.ngram alone, draft.lookup ahead of a model)."""
+    return Built(NgramDrafter(settings.max_n, settings.min_n, target.vocab_size, target.device))

@@ -23,6 +23,7 @@ from specdec_cli.decoding.host import to_device
 from specdec_cli.decoding.params import SamplingParams, TreeShape
 from specdec_cli.decoding.tree import DraftTree
 from specdec_cli.methods.context import one_hot
+from specdec_cli.methods.registry import Built, Target
 
 
 @cache
@@ -101,3 +102,7 @@ class RecyclingDrafter(Drafter):
 
     def keep(self, rows: list[int]) -> None:
         self.last = [self.last[r] for r in rows]
+
+
+def build(settings, target: Target) -> Built:
+    return Built(RecyclingDrafter(settings.candidates, target.vocab_size, target.device))

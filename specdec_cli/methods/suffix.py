@@ -32,6 +32,7 @@ import torch
 from specdec_cli.decoding.drafter import Rows, States
 from specdec_cli.decoding.params import TreeShape
 from specdec_cli.methods.context import ContextDrafter
+from specdec_cli.methods.registry import Built, Target
 
 
 class Node:
@@ -251,3 +252,9 @@ class SuffixDrafter(ContextDrafter):
 
         best = self.best(row, draft, shape.max_nodes)
         return (best[0], best[1]) if best else ([], [])
+
+
+def build(settings, target: Target) -> Built:
+    """Suffix decoding with draft.suffix's limits; the blocks' length is the loop's."""
+    limits = {k: v for k, v in vars(settings).items() if k != "num_draft_tokens"}
+    return Built(SuffixDrafter(target.vocab_size, target.device, **limits))

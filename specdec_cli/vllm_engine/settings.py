@@ -3,27 +3,13 @@ and its per-request speculative decoding metrics as specdec's step records."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from specdec_cli.config import Config, DraftSpec
 from specdec_cli.decoding.engine import GenerationResult
 from specdec_cli.decoding.metrics import StepRecord
 from specdec_cli.decoding.params import BatchSchedule, SamplingParams
 from specdec_cli.errors import SpecdecError
 from specdec_cli.loading.checkpoints import model_folder
-from specdec_cli.methods.formats import DraftFolder, recognise
-
-# specdec's draft formats (methods/formats.py; None: a causal LM) as vLLM's speculative methods
-VLLM_METHODS = {None: "draft_model", "eagle": "eagle", "eagle3": "eagle3", "medusa": "medusa", "dflash": "dflash"}
-
-
-def draft_format(path: str) -> str | None:
-    """The format specdec recognises in a draft folder (None: a causal LM, or a hub id)."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return None
-    return recognise(DraftFolder(Path(path), json.loads(config.read_text())))
+from specdec_cli.methods import registry
 
 
 def vllm_schedule(cfg: Config, temperatures: list[float]) -> BatchSchedule | None:
@@ -42,54 +28,10 @@ def speculative_config(draft: DraftSpec, num_draft_tokens: int, schedule: BatchS
     """vLLM's speculative_config for the config's draft drafting `num_draft_tokens` tokens per block (by batch size
     where a schedule says so: vLLM's `num_speculative_tokens_per_batch_size`); a draft vLLM has no
     counterpart of is a SpecdecError that says so."""
-    speculative = drafting_config(draft, num_draft_tokens)
+    speculative = registry.vllm_config(draft, num_draft_tokens)
     if schedule is not None:
         speculative["num_speculative_tokens_per_batch_size"] = [list(entry) for entry in schedule.ranges]
     return speculative
-
-
-def drafting_config(draft: DraftSpec, num_draft_tokens: int) -> dict:
-    if draft.lookup is not None:
-        raise SpecdecError("vLLM has no equivalent of prompt lookup ahead of a draft model (draft.lookup)")
-    if draft.recycling is not None:
-        raise SpecdecError("vLLM has no token recycling (draft.recycling)")
-    if draft.suffix is not None:
-        return suffix_config(draft, num_draft_tokens)
-    if draft.ngram is not None:
-        return {
-            "method": "ngram",
-            "num_speculative_tokens": num_draft_tokens,
-            "prompt_lookup_min": draft.ngram.min_n,
-            "prompt_lookup_max": draft.ngram.max_n,
-        }
-    path = model_folder(draft, fetch=True)
-    kind = draft_format(path)
-    if kind not in VLLM_METHODS:
-        raise SpecdecError(
-            f"the draft {draft.describe()} ({kind} format) has no vLLM equivalent"
-            + (": `specdec distill --format eagle3` writes one vLLM reads" if kind == "specdec" else "")
-        )
-    speculative = {"method": VLLM_METHODS[kind], "model": path, "num_speculative_tokens": num_draft_tokens}
-    if kind is None:  # vLLM's draft model drafts its argmax unless told to sample, as specdec's does
-        speculative["draft_sample_method"] = "probabilistic"
-    return speculative
-
-
-def suffix_config(draft: DraftSpec, num_draft_tokens: int) -> dict:
-    """vLLM's suffix decoding (`method: suffix`, from the arctic-inference package) with specdec's settings."""
-    suffix = draft.suffix
-    if draft.has_model:
-        raise SpecdecError("vLLM has no equivalent of suffix decoding ahead of a draft model (draft.suffix)")
-    if suffix.max_spec_offset:
-        raise SpecdecError("vLLM's suffix decoding has no max_spec_offset: set draft.suffix.max_spec_offset 0")
-    return {
-        "method": "suffix",
-        "num_speculative_tokens": num_draft_tokens,
-        "suffix_decoding_max_tree_depth": suffix.max_tree_depth,
-        "suffix_decoding_max_cached_requests": suffix.max_cached_requests,
-        "suffix_decoding_max_spec_factor": suffix.max_spec_factor,
-        "suffix_decoding_min_token_prob": suffix.min_token_prob,
-    }
 
 
 def engine_settings(cfg: Config, dtype: str, speculative: dict | None) -> dict:
