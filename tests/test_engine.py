@@ -9,7 +9,7 @@ import torch
 from conftest import cached
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
-from specdec_cli.config import TinyModel
+from specdec_cli.config import TinyModel, load_config
 from specdec_cli.decoding.cache import EAGER_KEY_SLOTS_STEP, KEY_SLOTS_STEP, CachedModel, right_padded
 from specdec_cli.decoding.engine import SpeculativeDecoder
 from specdec_cli.decoding.metrics import acceptance_rate, mean_accepted_length
@@ -21,6 +21,7 @@ from specdec_cli.methods.feature.draft import init_draft
 from specdec_cli.methods.feature.drafter import FeatureDrafter
 from specdec_cli.methods.model import ModelDrafter
 from specdec_cli.methods.ngram import NgramDrafter
+from specdec_cli.pair import load_pair
 
 GREEDY = SamplingParams()
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown"
@@ -246,3 +247,27 @@ def test_with_graphs_the_attention_reads_a_few_recurring_key_lengths(tiny_target
     else:
         assert len(keys) > 3 and all(k % EAGER_KEY_SLOTS_STEP == 0 for k in keys), keys
     assert {q for q, _ in shapes} <= {len(prompt) - 1, 1, 2, 3, 4, 5}
+
+
+# quantized products give a row the same result whatever rows come with it; float32's chosen CPU
+# product need not (decode_matmul.py), so float32 is not held to this
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("shape", [{"seed": 0}, {"seed": 1, "hidden_size": 576, "num_heads": 9, "num_kv_heads": 3}])
+def test_a_chains_verification_gets_the_logits_single_token_steps_get(write_config, shape, weights):
+    """Bit for bit, each position of a verification block and of the same tokens fed one at a time,
+    at contexts whose key slots cross a step of EAGER_KEY_SLOTS_STEP inside the block, the target
+    loaded as the loop loads it. SDPA's CPU kernel rounds by the number of query rows it is given on
+    some CPUs (AMD EPYC, 2 threads: the block attended at once differed here), so a chain's tokens
+    attend one by one (cache.BY_TOKEN)."""
+    changes = {"target": {"tiny": shape}, "draft": {"ngram": {}}, "runtime": {"weights": weights}}
+    model = load_pair(load_config(str(write_config(changes)))).target.model
+    block = [5, 6, 7, 8, 9]
+    for context_length in (20, 30, 61):
+        context = [(7 * i + 3) % 200 for i in range(context_length)]
+        verified, stepped = cached(model), cached(model)
+        for one in (verified, stepped):
+            one.reset(128)
+            one.forward(torch.tensor([context]))
+        at_once = verified.forward(torch.tensor([block])).logits[0]
+        one_by_one = torch.cat([stepped.forward(torch.tensor([[token]])).logits[0] for token in block])
+        assert torch.equal(at_once, one_by_one), f"context {context_length}"

@@ -3,6 +3,7 @@ rejected ones, row by row."""
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -29,6 +30,12 @@ GRAPHED_WIDTH = 64
 # verification block read the same keys the same way (greedy output equal to the target alone's)
 KEY_SLOTS_STEP = 128
 EAGER_KEY_SLOTS_STEP = 32
+# on a CPU, a chain's forwards of at most DECODING_WIDTH tokens (decoding steps, verifications; wider
+# ones are prompts, alike in both ways of decoding) attend token by token (grouped_query_sdpa), which
+# CachedModel.forward says through BY_TOKEN. A tree's nodes sit at other slots than the target alone
+# puts their tokens, so their attention sums in another order whatever the calls: trees attend at once.
+DECODING_WIDTH = 16
+BY_TOKEN: ContextVar[bool] = ContextVar("attend_by_token", default=False)
 # the attribute where loading names a forward of specdec's own for a model: a class with `serves(model)`
 # whose `cls(model)` is called as `CachedModel.step` calls transformers' model, with its outputs, in
 # fewer operator calls (loading/llama_forward.py). The cache builds it over the model as it is when
@@ -40,11 +47,18 @@ def grouped_query_sdpa(module, query, key, value, attention_mask, scaling=None, 
     """transformers' SDPA attention, except that a multi-token query (a verification) of a
     grouped-query model attends without copying keys and values per query head: the heads sharing
     a key/value head are stacked along the query axis instead (transformers does the same for one
-    query token). Our masks are [B, 1, n, keys]; anything else takes transformers' path."""
+    query token). In a chain's decoding forward on a CPU (`BY_TOKEN`) the tokens attend one by one
+    instead, each as a single-token step attends: SDPA's CPU kernel rounds a query's result by how
+    many query rows come with it (and on some CPUs by how they spread over the threads), so a
+    verification's logits would otherwise differ from the target alone's in the last bits, and
+    greedy output at near-ties. Our masks are [B, 1, n, keys]; anything else takes transformers' path."""
     batch, heads, n, dim = query.shape
     groups = heads // key.shape[1]
     extra = any(kwargs.get(name) is not None for name in ("position_bias", "softcap", "s_aux", "sinks"))
-    if groups == 1 or n == 1 or attention_mask is None or attention_mask.shape[1] != 1 or extra:
+    ours = attention_mask is not None and attention_mask.shape[1] == 1 and not extra
+    if ours and BY_TOKEN.get():
+        return token_by_token(query, key, value, attention_mask, scaling, dropout)
+    if groups == 1 or n == 1 or not ours:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     stacked = query.reshape(batch, key.shape[1], groups * n, dim)  # query head h = kv head h // groups
     mask = attention_mask[:, :, None].expand(-1, -1, groups, -1, -1).flatten(2, 3)  # [B, 1, groups * n, keys]
@@ -52,6 +66,21 @@ def grouped_query_sdpa(module, query, key, value, attention_mask, scaling=None, 
         stacked, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling
     )
     return out.reshape(batch, heads, n, dim).transpose(1, 2).contiguous(), None
+
+
+def token_by_token(query, key, value, mask, scaling, dropout) -> tuple[torch.Tensor, None]:
+    """Each of the query's tokens attending in a call of its own, its query heads stacked per
+    key/value head (a single-token step attends so), over the same keys and values."""
+    batch, heads, n, dim = query.shape
+    kv_heads = key.shape[1]
+    rows = query.view(batch, kv_heads, heads // kv_heads, n, dim)  # query head h = kv head h // groups
+    tokens = [
+        torch.nn.functional.scaled_dot_product_attention(
+            rows[:, :, :, i], key, value, attn_mask=mask[:, :, i : i + 1], dropout_p=dropout, scale=scaling
+        )
+        for i in range(n)
+    ]
+    return torch.stack(tokens, dim=1).view(batch, n, heads, dim), None
 
 
 AttentionInterface.register("grouped_query_sdpa", grouped_query_sdpa)
@@ -260,7 +289,11 @@ class CachedModel:
             shapes = tuple((name, tuple(value.shape)) for name, value in inputs.items())
             out = self.graphed((shapes, self.cache.visible, *settings.items()), inputs, **settings)
         else:
-            out = self.step(**tensors)
+            chain = BY_TOKEN.set(region is None and self.device.type == "cpu" and n <= DECODING_WIDTH)
+            try:
+                out = self.step(**tensors)
+            finally:
+                BY_TOKEN.reset(chain)
         self.lengths = [length + count for length, count in zip(self.lengths, counts)]
         return Output(self.fit_vocabulary(out[0].float()), out[1] if hidden else None)
 
