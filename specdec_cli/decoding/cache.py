@@ -30,12 +30,12 @@ GRAPHED_WIDTH = 64
 # verification block read the same keys the same way (greedy output equal to the target alone's)
 KEY_SLOTS_STEP = 128
 EAGER_KEY_SLOTS_STEP = 32
-# on a CPU, a chain's forwards of at most DECODING_WIDTH tokens (decoding steps, verifications; wider
-# ones are prompts, alike in both ways of decoding) attend token by token (grouped_query_sdpa), which
-# CachedModel.forward says through BY_TOKEN. A tree's nodes sit at other slots than the target alone
-# puts their tokens, so their attention sums in another order whatever the calls: trees attend at once.
+# on a CPU, a lone row's chain forwards of at most DECODING_WIDTH tokens (decoding steps,
+# verifications; wider ones are prompts, alike in both ways of decoding) attend in calls of
+# QUERY_CHUNK tokens (in_chunks), as CachedModel.forward plans them through CHUNKS
 DECODING_WIDTH = 16
-BY_TOKEN: ContextVar[bool] = ContextVar("attend_by_token", default=False)
+QUERY_CHUNK = 3
+CHUNKS: ContextVar[ChunkPlan | None] = ContextVar("attention_chunks", default=None)
 # the attribute where loading names a forward of specdec's own for a model: a class with `serves(model)`
 # whose `cls(model)` is called as `CachedModel.step` calls transformers' model, with its outputs, in
 # fewer operator calls (loading/llama_forward.py). The cache builds it over the model as it is when
@@ -47,17 +47,15 @@ def grouped_query_sdpa(module, query, key, value, attention_mask, scaling=None, 
     """transformers' SDPA attention, except that a multi-token query (a verification) of a
     grouped-query model attends without copying keys and values per query head: the heads sharing
     a key/value head are stacked along the query axis instead (transformers does the same for one
-    query token). In a chain's decoding forward on a CPU (`BY_TOKEN`) the tokens attend one by one
-    instead, each as a single-token step attends: SDPA's CPU kernel rounds a query's result by how
-    many query rows come with it (and on some CPUs by how they spread over the threads), so a
-    verification's logits would otherwise differ from the target alone's in the last bits, and
-    greedy output at near-ties. Our masks are [B, 1, n, keys]; anything else takes transformers' path."""
+    query token). A lone row's chain forward on a CPU attends in chunks instead (`in_chunks`). Our
+    masks are [B, 1, n, keys]; anything else takes transformers' path."""
     batch, heads, n, dim = query.shape
     groups = heads // key.shape[1]
     extra = any(kwargs.get(name) is not None for name in ("position_bias", "softcap", "s_aux", "sinks"))
     ours = attention_mask is not None and attention_mask.shape[1] == 1 and not extra
-    if ours and BY_TOKEN.get():
-        return token_by_token(query, key, value, attention_mask, scaling, dropout)
+    plan = None if torch.compiler.is_compiling() else CHUNKS.get()  # graphs replay shapes of their own
+    if ours and plan is not None:
+        return in_chunks(query, key, value, attention_mask, scaling, dropout, plan)
     if groups == 1 or n == 1 or not ours:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     stacked = query.reshape(batch, key.shape[1], groups * n, dim)  # query head h = kv head h // groups
@@ -68,19 +66,48 @@ def grouped_query_sdpa(module, query, key, value, attention_mask, scaling=None, 
     return out.reshape(batch, heads, n, dim).transpose(1, 2).contiguous(), None
 
 
-def token_by_token(query, key, value, mask, scaling, dropout) -> tuple[torch.Tensor, None]:
-    """Each of the query's tokens attending in a call of its own, its query heads stacked per
-    key/value head (a single-token step attends so), over the same keys and values."""
-    batch, heads, n, dim = query.shape
+class ChunkPlan:
+    """A lone row's attention calls in one forward (`in_chunks`): per call, its tokens (at most
+    QUERY_CHUNK, the last repeated as fillers up to QUERY_CHUNK) and the keys a single-token step at
+    their slots reads; the calls' masks, made at the first layer, serve every layer."""
+
+    def __init__(self, spans: list[tuple[int, int, int]], device: torch.device):
+        self.spans = spans  # (first, last + 1, keys) per call
+        fillers = [[end - 1] * (QUERY_CHUNK - end + first) for first, end, _ in spans]
+        self.tokens = [to_device([*range(first, end), *fill], device) for (first, end, _), fill in zip(spans, fillers)]
+        self.masks: list[torch.Tensor] | None = None
+
+    def call_masks(self, mask: torch.Tensor, groups: int) -> list[torch.Tensor]:
+        """Each call's rows of `mask` [1, 1, n, keys], repeated for the query heads stacked per key/value head."""
+        if self.masks is None:
+            self.masks = [
+                mask[:, :, tokens, :keys][:, :, None].expand(-1, -1, groups, -1, -1).reshape(1, 1, -1, keys)
+                for tokens, (_, _, keys) in zip(self.tokens, self.spans)
+            ]
+        return self.masks
+
+
+def in_chunks(query, key, value, mask, scaling, dropout, plan: ChunkPlan) -> tuple[torch.Tensor, None]:
+    """A row's tokens attending in the calls `plan` lists: every call takes QUERY_CHUNK tokens, their
+    query heads stacked per key/value head, over the keys a single-token step at their slots reads.
+    SDPA's CPU kernel rounds a query by how many query rows come with it and by the keys it is given
+    (masked ones too), and on some CPUs by how few rows spread over the threads; not by where the
+    query stands among a fixed number of rows or what the others hold. So a token gets the same
+    result in a single-token step and in a verification block, and greedy output stays the target
+    alone's (tests/test_engine.py)."""
+    _, heads, n, dim = query.shape
     kv_heads = key.shape[1]
-    rows = query.view(batch, kv_heads, heads // kv_heads, n, dim)  # query head h = kv head h // groups
-    tokens = [
-        torch.nn.functional.scaled_dot_product_attention(
-            rows[:, :, :, i], key, value, attn_mask=mask[:, :, i : i + 1], dropout_p=dropout, scale=scaling
+    groups = heads // kv_heads
+    rows = query.view(1, kv_heads, groups, n, dim)  # query head h = kv head h // groups
+    outputs = []
+    for (first, end, keys), tokens, call_mask in zip(plan.spans, plan.tokens, plan.call_masks(mask, groups)):
+        chunk = rows.index_select(3, tokens).view(1, kv_heads, groups * QUERY_CHUNK, dim)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            chunk, key[:, :, :keys], value[:, :, :keys], attn_mask=call_mask, dropout_p=dropout, scale=scaling
         )
-        for i in range(n)
-    ]
-    return torch.stack(tokens, dim=1).view(batch, n, heads, dim), None
+        outputs.append(out.view(1, kv_heads, groups, QUERY_CHUNK, dim)[:, :, :, : end - first])
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=3)
+    return out.reshape(1, heads, n, dim).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register("grouped_query_sdpa", grouped_query_sdpa)
@@ -289,13 +316,27 @@ class CachedModel:
             shapes = tuple((name, tuple(value.shape)) for name, value in inputs.items())
             out = self.graphed((shapes, self.cache.visible, *settings.items()), inputs, **settings)
         else:
-            chain = BY_TOKEN.set(region is None and self.device.type == "cpu" and n <= DECODING_WIDTH)
+            lone = len(self.lengths) == 1 and isinstance(mask, torch.Tensor)
+            chain = region is None and self.device.type == "cpu" and lone and n <= DECODING_WIDTH
+            plan = CHUNKS.set(self.chunks(n) if chain else None)
             try:
                 out = self.step(**tensors)
             finally:
-                BY_TOKEN.reset(chain)
+                CHUNKS.reset(plan)
         self.lengths = [length + count for length, count in zip(self.lengths, counts)]
         return Output(self.fit_vocabulary(out[0].float()), out[1] if hidden else None)
+
+    def chunks(self, n: int) -> ChunkPlan:
+        """A lone row's next n tokens' attention calls (in_chunks): at most QUERY_CHUNK tokens a call,
+        tokens that a single-token step at their slots would give the same keys."""
+        spans: list[tuple[int, int, int]] = []
+        for i in range(n):
+            keys = min(-(-(self.lengths[0] + i + 1) // EAGER_KEY_SLOTS_STEP) * EAGER_KEY_SLOTS_STEP, self.cache.scratch)
+            if spans and spans[-1][2] == keys and i - spans[-1][0] < QUERY_CHUNK:
+                spans[-1] = (spans[-1][0], i + 1, keys)
+            else:
+                spans.append((i, i + 1, keys))
+        return ChunkPlan(spans, self.device)
 
     def step(self, ids, embeds, positions, slots, mask, keep, hidden) -> tuple[torch.Tensor, ...]:
         """The model's forward after the cache was told where to write (`slots`): (logits, and the
