@@ -106,44 +106,44 @@ def ngram_words(settings) -> str:
 
 
 MODEL = Method(
-    "checkpoint",
-    "a draft model",
-    "specdec_cli.methods.draft_model",
-    lambda draft: draft if draft.checkpoint is not None or draft.tiny is not None else None,
-    lambda spec: spec.describe(),
-    model_vllm,
+    key="checkpoint",
+    title="a draft model",
+    module="specdec_cli.methods.draft_model",
+    settings=lambda draft: draft if draft.checkpoint is not None or draft.tiny is not None else None,
+    describe=lambda spec: spec.describe(),
+    vllm=model_vllm,
 )
 NGRAM = Method(
-    "ngram",
-    "n-gram lookup",
-    "specdec_cli.methods.ngram",
-    lambda draft: draft.ngram,
-    lambda s: f"ngram({ngram_words(s)})",
-    ngram_vllm,
+    key="ngram",
+    title="n-gram lookup",
+    module="specdec_cli.methods.ngram",
+    settings=lambda draft: draft.ngram,
+    describe=lambda s: f"ngram({ngram_words(s)})",
+    vllm=ngram_vllm,
     engines_lookup=True,
 )
 RECYCLING = Method(
-    "recycling",
-    "token recycling",
-    "specdec_cli.methods.recycling",
-    lambda draft: draft.recycling,
-    lambda s: f"recycling(candidates={s.candidates})",
+    key="recycling",
+    title="token recycling",
+    module="specdec_cli.methods.recycling",
+    settings=lambda draft: draft.recycling,
+    describe=lambda s: f"recycling(candidates={s.candidates})",
 )
 SUFFIX = Method(
-    "suffix",
-    "suffix decoding",
-    "specdec_cli.methods.suffix",
-    lambda draft: draft.suffix,
-    lambda s: f"suffix(depth={s.max_tree_depth})",
-    suffix_vllm,
+    key="suffix",
+    title="suffix decoding",
+    module="specdec_cli.methods.suffix",
+    settings=lambda draft: draft.suffix,
+    describe=lambda s: f"suffix(depth={s.max_tree_depth})",
+    vllm=suffix_vllm,
     drafts_ahead=True,
 )
-LOOKUP = Method(
-    "lookup",
-    "prompt lookup",
-    "specdec_cli.methods.ngram",
-    lambda draft: draft.lookup,
-    lambda s: f"lookup({ngram_words(s)})",
+LOOKUP = Method(  # prompt lookup ahead of a draft model: draft.ngram's drafter with draft.lookup's settings
+    key="lookup",
+    title="prompt lookup",
+    module="specdec_cli.methods.ngram",
+    settings=lambda draft: draft.lookup,
+    describe=lambda s: f"lookup({ngram_words(s)})",
     drafts_ahead=True,
 )
 
