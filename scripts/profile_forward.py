@@ -4,12 +4,12 @@ target-alone tokens of the default pair's target, with float and int4 weights (2
     python scripts/profile_forward.py
 """
 
-import time
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from specdec_cli.bench.bandwidth import read_bandwidth
 from specdec_cli.bench.prompts import load_prompts
 from specdec_cli.config import load_config
 from specdec_cli.decoding.params import SamplingParams
@@ -18,20 +18,9 @@ from specdec_cli.pair import load_pair
 PROMPTS = Path(__file__).parents[1] / "docs/experiments/data/unseen-13.jsonl"
 
 
-def read_bandwidth() -> float:
-    """Bytes a second that a sum over 512 MiB of float32 reads, the best of 7."""
-    data = torch.ones(128 * 2**20)
-    best = float("inf")
-    for _ in range(7):
-        start = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - start)
-    return data.nbytes / best
-
-
 def main() -> None:
     torch.set_num_threads(2)
-    print(f"read bandwidth (torch sum over 512 MiB, 2 threads): {read_bandwidth() / 1e9:.1f} GB/s")
+    print(f"read bandwidth (torch sum over 512 MiB, 2 threads): {read_bandwidth(torch.device('cpu')) / 1e9:.1f} GB/s")
     prompt = load_prompts(PROMPTS)[0].turns[0]
     for weights in ("float", "int4"):
         cfg = load_config("smollm2-draft")
