@@ -255,6 +255,11 @@ class CachedModel:
         self.own_forward = own(model) if own is not None and own.serves(model) else None
 
     @property
+    def key_step(self) -> int:
+        """The attention reads the cache's slots in steps of this many."""
+        return KEY_SLOTS_STEP if self.graphed is not None else EAGER_KEY_SLOTS_STEP
+
+    @property
     def context_length(self) -> int:
         return self.model.config.max_position_embeddings
 
@@ -266,7 +271,7 @@ class CachedModel:
             if self.cache is not None and self.cache.max_tokens >= max_tokens and same_rows:
                 return
             self.graphed.clear()
-        step = KEY_SLOTS_STEP if self.graphed is not None else EAGER_KEY_SLOTS_STEP
+        step = self.key_step
         self.cache = RaggedCache(self.num_layers, -(-max_tokens // step) * step)  # every step fits
 
     @torch.inference_mode()
@@ -296,9 +301,7 @@ class CachedModel:
         writes = (
             slots.masked_fill(steps >= to_device(counts, self.device)[:, None], self.cache.scratch) if ragged else slots
         )
-        needed = max(length + count for length, count in zip(self.lengths, counts))
-        step = KEY_SLOTS_STEP if self.graphed is not None else EAGER_KEY_SLOTS_STEP
-        self.cache.visible = min(-(-needed // step) * step, self.cache.scratch)
+        self.cache.visible = self.key_slots(max(length + count for length, count in zip(self.lengths, counts)))
         if logits == "none":
             keep = torch.zeros(0, dtype=torch.long, device=self.device)
         elif logits == "last" and ragged:  # each row's own last real input
@@ -326,12 +329,16 @@ class CachedModel:
         self.lengths = [length + count for length, count in zip(self.lengths, counts)]
         return Output(self.fit_vocabulary(out[0].float()), out[1] if hidden else None)
 
+    def key_slots(self, needed: int) -> int:
+        """The cache slots a forward reads for `needed` of them: a whole number of steps, short of the scratch slot."""
+        return min(-(-needed // self.key_step) * self.key_step, self.cache.scratch)
+
     def chunks(self, n: int) -> ChunkPlan:
         """A lone row's next n tokens' attention calls (in_chunks): at most QUERY_CHUNK tokens a call,
         tokens that a single-token step at their slots would give the same keys."""
         spans: list[tuple[int, int, int]] = []
         for i in range(n):
-            keys = min(-(-(self.lengths[0] + i + 1) // EAGER_KEY_SLOTS_STEP) * EAGER_KEY_SLOTS_STEP, self.cache.scratch)
+            keys = self.key_slots(self.lengths[0] + i + 1)
             if spans and spans[-1][2] == keys and i - spans[-1][0] < QUERY_CHUNK:
                 spans[-1] = (spans[-1][0], i + 1, keys)
             else:

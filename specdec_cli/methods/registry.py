@@ -53,7 +53,6 @@ class Method:
     settings: Callable[[Any], Any]  # the config's draft -> this method's settings (None: not selected)
     describe: Callable[[Any], str]  # its settings in a record's words
     vllm: Callable[[Any, int], dict] | None = None  # its settings, draft tokens -> vLLM's speculative_config
-    drafts_ahead: bool = False  # beside a draft model, it drafts from the context ahead of the model
     engines_lookup: bool = False  # transformers' and llama.cpp's prompt lookup are this method
 
     def build(self, settings: Any, target: Target) -> Built:
@@ -136,7 +135,6 @@ SUFFIX = Method(
     settings=lambda draft: draft.suffix,
     describe=lambda s: f"suffix(depth={s.max_tree_depth})",
     vllm=suffix_vllm,
-    drafts_ahead=True,
 )
 LOOKUP = Method(  # prompt lookup ahead of a draft model: draft.ngram's drafter with draft.lookup's settings
     key="lookup",
@@ -144,7 +142,6 @@ LOOKUP = Method(  # prompt lookup ahead of a draft model: draft.ngram's drafter 
     module="specdec_cli.methods.ngram",
     settings=lambda draft: draft.lookup,
     describe=lambda s: f"lookup({ngram_words(s)})",
-    drafts_ahead=True,
 )
 
 # the first of these that a config's draft selects drafts its blocks (suffix alone only without a model)
