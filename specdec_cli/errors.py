@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 EXIT_BAD_INPUT = 2  # bad input (config, flags, files) or environment (out of memory, unwritable, disk full)
-EXIT_CHECK_FAILED = 3  # a statistical or greedy-identity check failed (verify-distribution)
+EXIT_CHECK_FAILED = 3  # not exact: a verify-distribution check failed, or greedy output left the target alone's
 EXIT_GATE_FAILED = 4  # a benchmark gate (--min-speedup, --min-accept-length) was not met
 EXIT_INTERRUPTED = 130  # Ctrl-C or SIGTERM, as shells report a SIGINT
 

@@ -65,3 +65,15 @@ def p_prime_not_renormalised(target_probs, tokens, children, generator):
     u = torch.rand(mass.shape, dtype=torch.float64, generator=generator)
     drafted = torch.zeros_like(target_probs).scatter_add_(1, tokens, children.to(target_probs.dtype))
     return u < mass, (target_probs - drafted).clamp_min(0)
+
+
+# ---------------------------------------------------------------- greedy verification
+
+
+def verify_greedy_within_top_two(draft_tokens: torch.Tensor, target_logits: torch.Tensor):
+    """A realistic bug: a draft is kept while it is among the target's two likeliest tokens (a tolerance
+    meant for near-ties), not only when it is the argmax."""
+    top_two = target_logits[:, :-1].topk(2, dim=-1).indices  # [B, g, 2]
+    num_accepted = accepted_prefix_length((draft_tokens[..., None] == top_two).any(dim=-1))
+    next_token = target_logits.argmax(dim=-1).gather(1, num_accepted[:, None])[:, 0]
+    return num_accepted, next_token

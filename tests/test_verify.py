@@ -351,7 +351,7 @@ def test_greedy_identity_passes_and_catches_a_cache_off_by_one(pair, monkeypatch
     assert checks.check_greedy(pair, ids, "p", 32, seed=0).passed
     rollback_one_too_many(monkeypatch)
     row = checks.check_greedy(pair, ids, "p", 32, seed=0)
-    assert not row.passed and row.note == "not a tie: a bug"
+    assert not row.passed and row.note == "not rounding: a bug"
 
 
 # ---------------------------------------------------------------- the command

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from specdec_cli.decoding.metrics import StepRecord, request_figures
 
 if TYPE_CHECKING:
     from specdec_cli.decoding.engine import GenerationResult
+
+
+class Turn(NamedTuple):
+    """One turn's generation as the loop ran it, for replaying it (decoding/drift.py)."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    steps: list[StepRecord]
 
 
 @dataclass
@@ -21,10 +29,13 @@ class Measure:
     decode_seconds: float = 0.0  # with prefill_seconds None: the whole call
     steps: list[StepRecord] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # all turns' answers, concatenated
+    turns: list[Turn] = field(default_factory=list)  # kept out of records
+    greedy_divergence: dict | None = None  # where a greedy run left the target alone's (decoding/drift.py)
 
     def add(self, other: Measure) -> None:
         self.new_tokens += other.new_tokens
         self.token_ids += other.token_ids
+        self.turns += other.turns
         if self.prefill_seconds is None or other.prefill_seconds is None:
             self.prefill_seconds = None
         else:
@@ -44,6 +55,7 @@ class Measure:
             "steps": [[s.drafted, s.accepted, s.emitted, s.draft_seconds, s.verify_seconds] for s in self.steps],
             "token_ids": self.token_ids,
             "request": request_figures(self.steps),  # this prompt's own acceptance figures
+            "greedy_divergence": self.greedy_divergence,
         }
 
 

@@ -172,10 +172,7 @@ def detail_report(summary: list[dict], rule: str) -> Report:
         ("cost ratio c", lambda r: fmt(r["cost_ratio"], ".3f")),
         ("verification cost per block (1-token forwards)", lambda r: fmt(r.get("verification_cost"))),
         ("drafting cost per block (1-token forwards)", lambda r: fmt(r.get("drafting_cost"))),
-        (
-            "greedy output = target-only's",
-            lambda r: "n/a" if r.get("greedy_identical") is None else f"{r['greedy_identical']}/{r['prompts']} prompts",
-        ),
+        ("greedy output = target-only's", _greedy_identity),
         (
             "prefill s per prompt, base / spec",
             lambda r: f"{fmt(r['baseline_prefill_seconds'], '.3f')} / {fmt(r['speculative_prefill_seconds'], '.3f')}",
@@ -183,6 +180,19 @@ def detail_report(summary: list[dict], rule: str) -> Report:
     ]
     rows = [[name] + [cell(r) for r in overall] for name, cell in metrics]
     return Report(f"Overall, {rule}", ["metric"] + [mode_label(r) for r in overall], rows, LEVIATHAN)
+
+
+def _greedy_identity(r: dict) -> str:
+    """Prompts with the target alone's greedy tokens, and how the others left them (bench/run.py's triage)."""
+    if r.get("greedy_identical") is None:
+        return "n/a"
+    line = f"{r['greedy_identical']}/{r['prompts']} prompts"
+    bugs = r.get("greedy_not_rounding")
+    differing = r["prompts"] - r["greedy_identical"]
+    if bugs is None or not differing:
+        return line
+    rounding = [f"{differing - bugs} by rounding"] if differing > bugs else []
+    return "; ".join([line, *rounding, *([f"{bugs} NOT by rounding (a bug)"] if bugs else [])])
 
 
 def _weight_read_rate(row: dict) -> str:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from specdec_cli.bench.measure import BatchGenerate, Measure, TurnGenerator
+from specdec_cli.bench.measure import BatchGenerate, Measure, Turn, TurnGenerator
 from specdec_cli.bench.plan import SPECDEC, Mode, Plan
 from specdec_cli.bench.prompts import Prompt
+from specdec_cli.decoding import drift
 from specdec_cli.decoding.engine import SpeculativeDecoder
 from specdec_cli.pair import Pair
 
@@ -53,6 +54,7 @@ def run_prompt(pair: Pair, prompt: Prompt, generate: TurnGenerator, plan: Plan) 
         ids = pair.encode(turn, history=history)
         pair.check_fits(ids, plan.max_new_tokens)
         token_ids, measure = generate(ids, plan.seed)
+        measure.turns = [Turn(ids, token_ids, measure.steps)]
         total.add(measure)
         answer = pair.tokenizer.decode(token_ids, skip_special_tokens=True)
         history += [{"role": "user", "content": turn}, {"role": "assistant", "content": answer}]
@@ -89,11 +91,16 @@ def run_benchmark(
                 for _ in range(plan.warmup):
                     run_prompt(pair, first, warm, plan)
         for i, prompt in enumerate(prompts):
-            prompt_runs = []
+            prompt_runs, alone = [], None  # the greedy target-alone run
             for mode in modes:
                 if on_run:
                     on_run(i, len(prompts), prompt, mode)
                 measures = [run_prompt(pair, prompt, generators[mode], plan) for _ in range(plan.repeats)]
+                if mode.engine == SPECDEC and mode.temperature == 0:
+                    if mode.num_draft_tokens == 0:
+                        alone = measures[0]
+                    elif alone is not None:
+                        triage_greedy(pair, alone, measures[0])
                 prompt_runs.append(
                     {
                         "prompt_id": prompt.id,
@@ -110,6 +117,22 @@ def run_benchmark(
     except KeyboardInterrupt:
         return runs, True
     return runs, False
+
+
+def triage_greedy(pair: Pair, alone: Measure, speculative: Measure) -> None:
+    """Follow a greedy speculative run that left the target alone's tokens to its first differing token
+    and class it (decoding/drift.py), in the speculative measure's record."""
+    for turn, (ours, theirs) in enumerate(zip(alone.turns, speculative.turns)):
+        found = drift.triage(
+            pair.target,
+            ours.prompt_ids,
+            (ours.token_ids, ours.steps),
+            (theirs.token_ids, theirs.steps),
+            drift.resolution(pair.dtype, pair.weights),
+        )
+        if found is not None:
+            speculative.greedy_divergence = {"turn": turn, **found.to_dict()}
+            return
 
 
 def batch_generator(pair: Pair, mode: Mode, plan: Plan, max_new_tokens: int) -> BatchGenerate:

@@ -104,6 +104,7 @@ def summarize_mode(
         "drafting_cost": costs[1] if costs else None,
         "predicted_speedup_from_parts": predicted_speedup_from_parts(spec_steps, costs) if costs else None,
         "greedy_identical": greedy_identical(baseline, speculative),
+        "greedy_not_rounding": greedy_not_rounding(speculative),
         "baseline_prefill_seconds": _mean_prefill(baseline),
         "speculative_prefill_seconds": _mean_prefill(speculative),
     }
@@ -125,6 +126,15 @@ def greedy_identical(baseline: list[dict], speculative: list[dict]) -> int | Non
     if baseline[0]["temperature"] != 0 or "token_ids" not in baseline[0]["repeats"][0]:
         return None
     return sum(b["repeats"][0]["token_ids"] == s["repeats"][0]["token_ids"] for b, s in zip(baseline, speculative))
+
+
+def greedy_not_rounding(speculative: list[dict]) -> int | None:
+    """Prompts whose greedy output left the target alone's by more than rounding (bench/run.py's triage;
+    None when sampled, or for records from before it)."""
+    repeats = [r["repeats"][0] for r in speculative]
+    if speculative[0]["temperature"] != 0 or any("greedy_divergence" not in rep for rep in repeats):
+        return None
+    return sum(rep["greedy_divergence"] is not None and not rep["greedy_divergence"]["rounding"] for rep in repeats)
 
 
 def _mean_prefill(runs: list[dict]) -> float | None:
@@ -275,6 +285,15 @@ def gate_failures(summary: list[dict], min_speedup: float | None, min_accept_len
                 f"mean accepted length {length if length is None else f'{length:.2f}'} < {min_accept_length:g} ({mode})"
             )
     return failures
+
+
+def inexact_runs(summary: list[dict]) -> list[str]:
+    """Overall rows whose greedy output left the target alone's by more than rounding, as readable lines."""
+    return [
+        f"{row['greedy_not_rounding']} prompt(s) with {mode_label(row)}"
+        for row in summary
+        if row["group"] == OVERALL and row.get("greedy_not_rounding")
+    ]
 
 
 def _batch_groups(runs: list[dict], batch_runs: list[dict]) -> dict[tuple, list[dict]]:

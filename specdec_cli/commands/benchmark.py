@@ -23,12 +23,13 @@ from specdec_cli.bench.run import run_batches, run_benchmark
 from specdec_cli.bench.summary import (
     add_weight_read_rates,
     gate_failures,
+    inexact_runs,
     summarize,
     summarize_batches,
     summarize_peers,
 )
 from specdec_cli.config import Config
-from specdec_cli.errors import EXIT_GATE_FAILED, SpecdecError
+from specdec_cli.errors import EXIT_CHECK_FAILED, EXIT_GATE_FAILED, SpecdecError
 from specdec_cli.methods import registry
 from specdec_cli.pair import dtype_name, load_pair_showing
 
@@ -62,6 +63,14 @@ def execute(
     if measured.partial:
         display.stderr.print("Interrupted: the record holds the prompts finished in every mode (partial: true).")
         raise KeyboardInterrupt
+    inexact = inexact_runs(summary)
+    if inexact:
+        raise SpecdecError(
+            "greedy output left the target alone's by more than rounding, a bug: "
+            + "; ".join(inexact)
+            + " (greedy_divergence in the record's runs says where)",
+            EXIT_CHECK_FAILED,
+        )
     failures = gate_failures(summary, min_speedup, min_accept_length)
     if failures:
         raise SpecdecError("benchmark gate not met: " + "; ".join(failures), EXIT_GATE_FAILED)

@@ -1,0 +1,123 @@
+"""Where greedy speculative output leaves the target alone's, and whether rounding explains it.
+
+Greedy speculative decoding emits the target's argmax at every position, so its output is the target
+alone's unless the two runs' forwards round differently (a verification forward of several tokens is
+not a single-token step on every kernel) and the top two logits sit closer than that rounding. `triage`
+follows a divergence to its first differing token and replays both runs' target forwards there as
+their loops should have run them: the same widths, the cache cut to each block's accepted prefix. It
+is rounding when the target alone's own forward put the two tokens closer than the dtype resolves and
+the two forwards' logits differ by less than that too; anything else (a verification forward that
+does not pick the token the loop emitted, forwards further apart than rounding) is a bug.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from specdec_cli.decoding.cache import CachedModel
+from specdec_cli.decoding.metrics import StepRecord
+
+# logit differences below this are within the rounding of the dtype the products run in (int8 and
+# int4 products take bfloat16 activations)
+RESOLUTION = {torch.float32: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.1}
+
+
+def resolution(dtype: torch.dtype, weights: str = "float") -> float:
+    return RESOLUTION[torch.bfloat16] if weights in ("int8", "int4") else RESOLUTION.get(dtype, 1e-3)
+
+
+@dataclass
+class Divergence:
+    """The first token at which two greedy runs of one target differ, as their replays see it."""
+
+    position: int  # index of the first differing new token
+    alone_token: int  # the target alone's token there (-1: that run had stopped)
+    speculative_token: int
+    alone_margin: float  # top-1 minus top-2 logit in the target alone's forward
+    verification_margin: float  # the same in the speculative run's verification forward
+    gap: float  # the alone forward's logit of its own token minus that of the speculative token
+    difference: float  # the largest difference between the two forwards' logits
+    resolution: float  # what the dtype resolves: rounding is below it
+    reproduced: bool  # whether the replays give each run its own token
+    rounding: bool
+    reason: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        verdict = "rounding" if self.rounding else "NOT rounding (a bug)"
+        return (
+            f"token {self.position + 1}: {verdict}; gap {self.gap:.2g}, forwards differ by "
+            f"{self.difference:.2g} (resolution {self.resolution:g}): {self.reason}"
+        )
+
+
+@torch.inference_mode()
+def replayed_logits(
+    target: CachedModel, prompt: list[int], tokens: list[int], steps: list[StepRecord], position: int
+) -> torch.Tensor:
+    """The target's logits [V] for new token `position` of a run that decoded `tokens` after `prompt` in
+    the blocks `steps`: each block's forward over its last token and its drafts (drafts the block
+    rejected, which the record does not keep, replaced by the tokens that came next, which the
+    accepted ones cannot see), then the cache cut to what the block accepted."""
+    sequence = prompt + tokens
+    widest = max(step.drafted for step in steps) + 1
+    target.reset(len(sequence) + widest)
+    if len(prompt) > 1:  # as the loop prefills: every prompt token but the last
+        target.forward(torch.tensor([prompt[:-1]], device=target.device), logits="none")
+    start = 0  # the block's first new token
+    for step in steps:
+        width = step.drafted + 1
+        inputs = sequence[len(prompt) - 1 + start :][:width]
+        inputs += inputs[-1:] * (width - len(inputs))  # past the run's end: fillers no kept token sees
+        logits = target.forward(torch.tensor([inputs], device=target.device)).logits[0]
+        if position < start + step.emitted:
+            return logits[position - start]
+        target.lengths = [len(prompt) + start + step.accepted]  # the last token and the accepted drafts
+        start += step.emitted
+    raise ValueError(f"the steps decode {start} tokens, not {position + 1}")
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first index at which a and b differ (one being shorter counts), None if they are equal."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def triage(
+    target: CachedModel,
+    prompt: list[int],
+    alone: tuple[list[int], list[StepRecord]],
+    speculative: tuple[list[int], list[StepRecord]],
+    resolution: float,
+) -> Divergence | None:
+    """The first divergence of a speculative greedy run (tokens, steps) from the target alone's, classed
+    by replaying both; None if their tokens are equal."""
+    position = first_difference(alone[0], speculative[0])
+    if position is None:
+        return None
+    if position >= min(len(alone[0]), len(speculative[0])):
+        # both decode the same tokens up to an EOS, so only a bug stops one run and not the other
+        return Divergence(position, -1, -1, 0.0, 0.0, 0.0, 0.0, resolution, False, False, "one run stopped early")
+    ours, theirs = alone[0][position], speculative[0][position]
+    single = replayed_logits(target, prompt, *alone, position)
+    verification = replayed_logits(target, prompt, *speculative, position)
+    margins = [float(top[0] - top[1]) for top in (single.topk(2).values, verification.topk(2).values)]
+    gap = float(single[ours] - single[theirs])
+    difference = float((single - verification).abs().max())
+    picked = int(verification.argmax())
+    reproduced = int(single.argmax()) == ours and picked == theirs
+    rounding = gap < resolution and difference < resolution
+    if rounding:
+        reason = "a near-tie" + ("" if reproduced else " (the replays do not flip it)")
+    elif picked != theirs:
+        reason = f"the verification forward picks token {picked}, the loop emitted {theirs}"
+    elif difference >= resolution:
+        reason = "the two forwards differ by more than rounding"
+    else:
+        reason = "the two tokens are further apart than rounding"
+    return Divergence(position, ours, theirs, *margins, gap, difference, resolution, reproduced, rounding, reason)
