@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from specdec_cli import interrupts
+from specdec_cli.bench.contexts import parse_lengths
 from specdec_cli.bench.plan import choose_prompts, make_plan, parse_list
 from specdec_cli.bench.prompts import Prompt, load_prompts
 from specdec_cli.config import parse_tree
@@ -270,6 +271,22 @@ def benchmark(
             "runtime's tensor and pipeline parallel sizes; --batch-sizes sends that many prompts per call."
         ),
     ] = Engine.specdec,
+    context_lengths: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Also run each prompt's first turn after a document of real text bringing it to about these "
+            "many tokens, e.g. 1k,4k,8000 (up to the target's window less --max-new-tokens): speedup, acceptance "
+            "and forward costs per length."
+        ),
+    ] = None,
+    synthetic_acceptance: Annotated[
+        Optional[float],
+        typer.Option(
+            help="A loop benchmark, never exact: keep each draft with this probability given the ones before "
+            "it were, whatever the target says (vLLM's synthetic rejection sampling); greedy identity is not "
+            "checked. Chains only, no peer."
+        ),
+    ] = None,
     min_speedup: Annotated[
         Optional[float], typer.Option(help="Exit 4 unless every overall speedup reaches this.")
     ] = None,
@@ -290,8 +307,10 @@ def benchmark(
     with record.json, report.md and its charts (chart.png, chart.svg)."""
     cfg = configure(
         config,
+        loop_benchmark=True,
         sampling__seed=seed,
         speculation__confidence_threshold=confidence_threshold,
+        speculation__synthetic_acceptance=synthetic_acceptance,
         generation__max_new_tokens=max_new_tokens,
         generation__ignore_eos=ignore_eos,
         runtime__device=device,
@@ -311,6 +330,7 @@ def benchmark(
         [parse_tree(shape) for shape in tree or []],
         parse_list(verification, str, "--verification"),
         engine.value,
+        parse_lengths(context_lengths) if context_lengths else None,
     )
     selected = choose_prompts(prompts, category, limit)
     if max(plan.batch_sizes) > len(selected):

@@ -174,6 +174,10 @@ class Speculation:
     verification: str = "token"
     tree: TreeShape | None = None  # None: a chain of num_draft_tokens
     schedule: Schedule | None = None  # a chain's draft tokens by batch size (None: num_draft_tokens)
+    # a loop benchmark, never exact (benchmark only): after the rule has run, each draft is kept with this
+    # probability given the ones before it were, whatever the target says (vLLM's synthetic rejection
+    # sampling); None: the rule decides
+    synthetic_acceptance: float | None = None
 
 
 @dataclass
@@ -419,6 +423,11 @@ def check_speculation(config: Config) -> None:
     check_schedule(config)
     if speculation.tree and speculation.verification == "block":
         raise SpecdecError("block verification judges a chain; a tree has its own rule: set verification: token")
+    synthetic = speculation.synthetic_acceptance
+    if synthetic is not None and not (0 <= synthetic <= 1):  # also refuses NaN
+        raise SpecdecError(f"synthetic_acceptance must be in [0, 1], got {synthetic}")
+    if synthetic is not None and speculation.tree:
+        raise SpecdecError("synthetic_acceptance draws a chain's acceptances; a tree has its own rule: drop one")
 
 
 def check_runtime(r: Runtime) -> None:

@@ -101,16 +101,23 @@ def reports_errors(command):
     return wrapper
 
 
-def configure(config: str | None, tree: str | None = None, **overrides) -> Config:
+def configure(config: str | None, tree: str | None = None, loop_benchmark: bool = False, **overrides) -> Config:
     """Load the YAML and apply flags given as section__key=value (None: not given). `tree`: --tree's
-    text. --num-draft-tokens asks for a chain and --tree for a tree, over whichever the YAML has."""
+    text. --num-draft-tokens asks for a chain and --tree for a tree, over whichever the YAML has.
+    `loop_benchmark`: the command may run synthetic acceptance (benchmark); others refuse it."""
     cfg = load_config(config)
     if overrides.get("speculation__num_draft_tokens") is not None:
         if tree is not None:
             raise SpecdecError("--num-draft-tokens drafts a chain and --tree a tree: give one of them")
         cfg.speculation.tree = None
     overrides["speculation__tree"] = parse_tree(tree) if tree is not None else None
-    return apply_overrides(cfg, {key.replace("__", "."): value for key, value in overrides.items()})
+    cfg = apply_overrides(cfg, {key.replace("__", "."): value for key, value in overrides.items()})
+    if cfg.speculation.synthetic_acceptance is not None and not loop_benchmark:
+        raise SpecdecError(
+            "speculation.synthetic_acceptance keeps drafts by chance, so the output is not the target's: "
+            "only `specdec benchmark` runs it (a loop benchmark)"
+        )
+    return cfg
 
 
 def read_prompt(prompt: str | None, prompt_file: Path | None) -> str:

@@ -17,7 +17,7 @@ from specdec_cli.decoding.cache import CachedModel
 from specdec_cli.decoding.drafter import Drafter
 from specdec_cli.decoding.engine import SpeculativeDecoder
 from specdec_cli.decoding.params import SamplingParams, TreeShape
-from specdec_cli.decoding.verification import chain_rule
+from specdec_cli.decoding.verification import SyntheticAcceptance, chain_rule
 from specdec_cli.errors import SpecdecError
 from specdec_cli.loading.checkpoints import check_embedding, load_model, shipped_weights
 from specdec_cli.loading.decode_matmul import PROCESS_CHOICE, weight_bytes
@@ -109,6 +109,8 @@ class Pair:
                 drafter = LookupFirstDrafter(self.lookup, drafter, lookup_tokens, num_draft_tokens)
                 num_draft_tokens = max(num_draft_tokens, lookup_tokens)
         rule = chain_rule(params, verification or self.config.speculation.verification)
+        if speculative and self.config.speculation.synthetic_acceptance is not None:
+            rule = SyntheticAcceptance(rule, self.config.speculation.synthetic_acceptance)
         schedule = self.config.batch_schedule(params.greedy)
         return SpeculativeDecoder(
             self.target, drafter, params, num_draft_tokens, self.eos_token_ids, rule=rule, schedule=schedule

@@ -63,6 +63,8 @@ class Plan:
     trees: list[TreeShape] = field(default_factory=list)  # draft trees, measured beside the chains
     verifications: list[str] = field(default_factory=lambda: ["token"])  # the rules of the sampled chains
     engine: str = SPECDEC  # who runs the config: specdec's loop, or vLLM (--engine vllm)
+    synthetic_acceptance: float | None = None  # a loop benchmark: drafts kept by chance (never exact)
+    context_lengths: list[int] = field(default_factory=list)  # also after documents of these many tokens
 
     def params(self, temperature: float) -> SamplingParams:
         return SamplingParams(temperature=temperature, top_k=self.top_k, top_p=self.top_p)
@@ -136,6 +138,7 @@ def make_plan(
     trees: list[TreeShape] | None = None,
     verifications: list[str] | None = None,
     engine: str = SPECDEC,
+    context_lengths: list[int] | None = None,
 ) -> Plan:
     """Defaults: the config's num_draft_tokens, and its tree if it has one (a chain and a tree side by side); greedy
     and the config's temperature (1.0 if the config is greedy); the config's verification rule. vLLM
@@ -150,6 +153,8 @@ def make_plan(
         raise SpecdecError(f"--temperatures must be finite numbers >= 0 (0 is greedy), got {temperatures}")
     verifications = verifications or [cfg.speculation.verification]
     if engine == VLLM:
+        if context_lengths:
+            raise SpecdecError("--context-lengths runs specdec's loop; with --engine vllm nothing runs in it")
         if peer is not None:
             raise SpecdecError("--peer sets a peer beside specdec's loop; with --engine vllm nothing runs in it")
         if trees or verifications != ["token"]:
@@ -166,6 +171,11 @@ def make_plan(
     batch_sizes = sorted(set([1] + (batch_sizes or [])))  # batch 1 is always measured: the sizes compare to it
     if batch_sizes[0] < 1:
         raise SpecdecError(f"--batch-sizes must be >= 1, got {batch_sizes}")
+    synthetic = cfg.speculation.synthetic_acceptance
+    if synthetic is not None and (peer or engine != SPECDEC or trees):
+        raise SpecdecError(
+            "--synthetic-acceptance measures specdec's own loop on chains: no --peer, --engine vllm or tree"
+        )
     if peer == LLAMACPP and len(batch_sizes) > 1:
         raise SpecdecError(
             "--peer llamacpp decodes one prompt at a time (llama-cpp-python has no batches): batch size 1"
@@ -186,6 +196,8 @@ def make_plan(
         trees=list(dict.fromkeys(trees)),
         verifications=verifications,
         engine=engine,
+        synthetic_acceptance=synthetic,
+        context_lengths=context_lengths or [],
     )
 
 

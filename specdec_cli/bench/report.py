@@ -322,6 +322,47 @@ def batch_report(rows: list[dict], rule: str) -> Report:
     return Report(f"Batch sizes, {rule}", header, table, BATCH_NOTE + (f" {VLLM_BATCH_NOTE}" if vllm else ""))
 
 
+def context_report(rows: list[dict], rule: str) -> Report:
+    header = [
+        "context",
+        "prompt tokens",
+        "mode",
+        "target-only tok/s",
+        "speculative tok/s",
+        "speedup",
+        "acc len",
+        "acceptance by position",
+        "target-only forward",
+        "verification (1-token forwards)",
+        "greedy output = target-only's",
+    ]
+    table = [
+        [
+            str(r["context_length"]),
+            f"{r['prompt_tokens']:.0f}",
+            mode_label(r),
+            f"{r['baseline_tokens_per_second'][0]:.1f}",
+            f"{r['speculative_tokens_per_second'][0]:.1f}",
+            f"{r['speedup'][0]:.2f}×",
+            fmt(r["mean_accepted_length"]),
+            " ".join(fmt(p, ".2f") for p in r["acceptance_by_position"]),
+            "n/a" if not r["target_forward_seconds"] else f"{1000 * r['target_forward_seconds']:.1f} ms",
+            fmt(r.get("verification_cost")),
+            _greedy_identity(r),
+        ]
+        for r in rows
+    ]
+    return Report(f"By context length, {rule}", header, table, CONTEXT_NOTE)
+
+
+CONTEXT_NOTE = (
+    "Per context length: each prompt's first turn after a document of real text (the prompt set's other "
+    "turns, then the built-in suites') cut to bring the chat-templated prompt to about that many tokens. "
+    "Speedup, acceptance and tok/s as in the tables above, over these prompts; target-only forward = one "
+    "decoding step at that context; verification = a block's target forward in target-only forwards."
+)
+
+
 COMPARED = [
     ("target-only tok/s", "baseline_tokens_per_second"),
     ("speculative tok/s", "speculative_tokens_per_second"),
@@ -390,6 +431,12 @@ def verification(record: dict) -> str:
     rules = record.get("settings", {}).get("verifications") or [
         record.get("config", {}).get("speculation", {}).get("verification", "token")
     ]
+    synthetic = record.get("settings", {}).get("synthetic_acceptance")
+    if synthetic is not None:
+        return (
+            f"SYNTHETIC acceptance {synthetic:g} after {' and '.join(rules)} verification "
+            "(a loop benchmark: drafts kept by chance, the output is not the target's)"
+        )
     return f"{' and '.join(rules)} verification"
 
 

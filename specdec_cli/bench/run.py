@@ -96,11 +96,11 @@ def run_benchmark(
                 if on_run:
                     on_run(i, len(prompts), prompt, mode)
                 measures = [run_prompt(pair, prompt, generators[mode], plan) for _ in range(plan.repeats)]
-                if mode.engine == SPECDEC and mode.temperature == 0:
+                if mode.engine == SPECDEC and mode.temperature == 0 and plan.synthetic_acceptance is None:
                     if mode.num_draft_tokens == 0:
                         alone = measures[0]
                     elif alone is not None:
-                        triage_greedy(pair, alone, measures[0])
+                        triage_greedy(pair, alone, measures[0], mode.tree is not None)
                 prompt_runs.append(
                     {
                         "prompt_id": prompt.id,
@@ -110,6 +110,7 @@ def run_benchmark(
                         "tree": mode.tree.spec if mode.tree else None,
                         "verification": mode.verification,
                         "engine": mode.engine,
+                        "synthetic_acceptance": plan.synthetic_acceptance if mode.num_draft_tokens else None,
                         "repeats": [m.to_dict() for m in measures],
                     }
                 )
@@ -119,7 +120,23 @@ def run_benchmark(
     return runs, False
 
 
-def triage_greedy(pair: Pair, alone: Measure, speculative: Measure) -> None:
+def run_contexts(
+    pair: Pair, contexts: list[tuple[int, list[Prompt], dict[str, int]]], plan: Plan, on_run: OnRun | None = None
+) -> tuple[list[dict], bool]:
+    """specdec's modes on each context length's prompts (bench/contexts.py: (length, prompts, their
+    tokens)); each run's record says its context length and its prompt's tokens. Ctrl-C keeps the
+    lengths and prompts finished in every mode."""
+    modes = [m for m in plan.modes() if m.engine == SPECDEC]
+    runs: list[dict] = []
+    for length, prompts, tokens in contexts:
+        done, partial = run_benchmark(pair, prompts, plan, on_run, modes)
+        runs += [{**r, "context_length": length, "prompt_tokens": tokens[r["prompt_id"]]} for r in done]
+        if partial:
+            return runs, True
+    return runs, False
+
+
+def triage_greedy(pair: Pair, alone: Measure, speculative: Measure, trees: bool) -> None:
     """Follow a greedy speculative run that left the target alone's tokens to its first differing token
     and class it (decoding/drift.py), in the speculative measure's record."""
     for turn, (ours, theirs) in enumerate(zip(alone.turns, speculative.turns)):
@@ -128,7 +145,9 @@ def triage_greedy(pair: Pair, alone: Measure, speculative: Measure) -> None:
             ours.prompt_ids,
             (ours.token_ids, ours.steps),
             (theirs.token_ids, theirs.steps),
-            drift.resolution(pair.dtype, pair.weights),
+            pair.dtype,
+            pair.weights,
+            trees,
         )
         if found is not None:
             speculative.greedy_divergence = {"turn": turn, **found.to_dict()}
@@ -239,7 +258,7 @@ def run_rounds(
                 for done, generate in zip(repeats, generators):
                     done.append(run_batch(pair, group, generate, plan, plan.seed + start))
             for entry_runs, (mode, _), done in zip(runs, entries, repeats):
-                entry_runs.append(batch_record(size, mode, group, done))
+                entry_runs.append(batch_record(size, mode, group, done, plan))
     except KeyboardInterrupt:
         return runs, True
     return runs, False
@@ -251,7 +270,7 @@ def warm_up(pair: Pair, prompts: list[Prompt], generate: BatchGenerate, plan: Pl
         run_batch(pair, [Prompt(p.id, p.category, p.turns[:1]) for p in prompts], generate, plan, plan.seed)
 
 
-def batch_record(size: int, mode: Mode, group: list[Prompt], repeats: list[dict]) -> dict:
+def batch_record(size: int, mode: Mode, group: list[Prompt], repeats: list[dict], plan: Plan) -> dict:
     return {
         "batch_size": size,
         "temperature": mode.temperature,
@@ -259,6 +278,7 @@ def batch_record(size: int, mode: Mode, group: list[Prompt], repeats: list[dict]
         "tree": mode.tree.spec if mode.tree else None,
         "verification": mode.verification,
         "engine": mode.engine,
+        "synthetic_acceptance": plan.synthetic_acceptance if mode.num_draft_tokens else None,
         "prompt_ids": [p.id for p in group],
         "repeats": repeats,
     }

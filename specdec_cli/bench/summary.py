@@ -122,17 +122,26 @@ def add_weight_read_rates(summary: list[dict], weight_bytes: int, bandwidth: flo
 
 def greedy_identical(baseline: list[dict], speculative: list[dict]) -> int | None:
     """Prompts whose greedy speculative output equals the target-only output, token for token (None
-    when sampled, or for records from before token ids were kept)."""
-    if baseline[0]["temperature"] != 0 or "token_ids" not in baseline[0]["repeats"][0]:
+    when sampled, under synthetic acceptance, or for records from before token ids were kept)."""
+    if baseline[0]["temperature"] != 0 or "token_ids" not in baseline[0]["repeats"][0] or synthetic(speculative):
         return None
     return sum(b["repeats"][0]["token_ids"] == s["repeats"][0]["token_ids"] for b, s in zip(baseline, speculative))
+
+
+def synthetic(runs: list[dict]) -> bool:
+    """Whether these runs kept drafts by chance (a loop benchmark: their tokens are not the target's)."""
+    return any(r.get("synthetic_acceptance") is not None for r in runs)
 
 
 def greedy_not_rounding(speculative: list[dict]) -> int | None:
     """Prompts whose greedy output left the target alone's by more than rounding (bench/run.py's triage;
     None when sampled, or for records from before it)."""
     repeats = [r["repeats"][0] for r in speculative]
-    if speculative[0]["temperature"] != 0 or any("greedy_divergence" not in rep for rep in repeats):
+    if (
+        speculative[0]["temperature"] != 0
+        or synthetic(speculative)
+        or any("greedy_divergence" not in rep for rep in repeats)
+    ):
         return None
     return sum(rep["greedy_divergence"] is not None and not rep["greedy_divergence"]["rounding"] for rep in repeats)
 
@@ -291,9 +300,22 @@ def inexact_runs(summary: list[dict]) -> list[str]:
     """Overall rows whose greedy output left the target alone's by more than rounding, as readable lines."""
     return [
         f"{row['greedy_not_rounding']} prompt(s) with {mode_label(row)}"
+        + (f" after {row['context_length']} tokens of context" if "context_length" in row else "")
         for row in summary
         if row["group"] == OVERALL and row.get("greedy_not_rounding")
     ]
+
+
+def summarize_contexts(context_runs: list[dict]) -> list[dict]:
+    """Per context length, `summarize`'s overall rows over that length's runs, with the length and the
+    prompts' mean tokens."""
+    out = []
+    for length in sorted({r["context_length"] for r in context_runs}):
+        runs = [r for r in context_runs if r["context_length"] == length]
+        tokens = statistics.fmean(r["prompt_tokens"] for r in runs)
+        rows = [row for row in summarize(runs) if row["group"] == OVERALL]
+        out += [{"context_length": length, "prompt_tokens": tokens, **row} for row in rows]
+    return out
 
 
 def _batch_groups(runs: list[dict], batch_runs: list[dict]) -> dict[tuple, list[dict]]:
@@ -351,7 +373,7 @@ def _rows_tokens(run: dict) -> dict[str, list[int]]:
 
 def _greedy_identical(spec: list[dict], alone: list[dict]) -> int | None:
     """Prompts whose greedy speculative tokens at this batch size equal target-only tokens alone."""
-    if not alone or not all("token_ids" in r["repeats"][0] for r in spec + alone):
+    if not alone or not all("token_ids" in r["repeats"][0] for r in spec + alone) or synthetic(spec):
         return None  # a record from before token ids were kept
     reference = {k: v for r in alone for k, v in _rows_tokens(r).items()}
     ours = {k: v for r in spec for k, v in _rows_tokens(r).items()}

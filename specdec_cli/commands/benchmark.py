@@ -7,11 +7,13 @@ from dataclasses import asdict, dataclass, field
 
 from specdec_cli import display, records
 from specdec_cli.bench import charts
+from specdec_cli.bench.contexts import with_context
 from specdec_cli.bench.plan import HF, LLAMACPP, SPECDEC, VLLM, Mode, Plan
 from specdec_cli.bench.prompts import Prompt
 from specdec_cli.bench.report import (
     batch_report,
     category_report,
+    context_report,
     detail_report,
     environment_caption,
     markdown_document,
@@ -19,13 +21,14 @@ from specdec_cli.bench.report import (
     rich_table,
     verification,
 )
-from specdec_cli.bench.run import run_batches, run_benchmark
+from specdec_cli.bench.run import run_batches, run_benchmark, run_contexts
 from specdec_cli.bench.summary import (
     add_weight_read_rates,
     gate_failures,
     inexact_runs,
     summarize,
     summarize_batches,
+    summarize_contexts,
     summarize_peers,
 )
 from specdec_cli.config import Config
@@ -38,6 +41,7 @@ from specdec_cli.pair import dtype_name, load_pair_showing
 class Measured:
     runs: list = field(default_factory=list)
     batch_runs: list = field(default_factory=list)
+    context_runs: list = field(default_factory=list)
     partial: bool = False
     versions: dict | None = None  # vLLM's version and build, or llama.cpp's, where it ran
     warning: str | None = None  # what vLLM's CPU build does differently
@@ -63,7 +67,7 @@ def execute(
     if measured.partial:
         display.stderr.print("Interrupted: the record holds the prompts finished in every mode (partial: true).")
         raise KeyboardInterrupt
-    inexact = inexact_runs(summary)
+    inexact = inexact_runs(summary + record["context_summary"])
     if inexact:
         raise SpecdecError(
             "greedy output left the target alone's by more than rounding, a bug: "
@@ -123,6 +127,8 @@ def measure(pair, prompts: list[Prompt], plan: Plan) -> Measured:
     """Every mode of the plan on every prompt, in specdec's loop and vLLM's as the plan says, with
     progress; Ctrl-C ends it with what every mode finished (`partial`)."""
     measured = Measured()
+    # every context length's prompts made before any work: a length the window or the text cannot hold is one line
+    contexts = [(length, *with_context(pair, prompts, length, plan.max_new_tokens)) for length in plan.context_lengths]
     engine_modes = [mode for modes in plan.engine_modes().values() for mode in modes]
     vllm_modes = engine_modes if VLLM in (plan.engine, plan.peer) else []
     batched = plan.batch_modes() + plan.batched(vllm_modes)
@@ -154,6 +160,21 @@ def measure(pair, prompts: list[Prompt], plan: Plan) -> Measured:
             progress.update(task, completed=len(measured.runs))
             if plan.batch_modes() and not measured.partial:
                 measured.batch_runs, measured.partial = run_batches(pair, prompts, plan, on_batch)
+            if contexts and not measured.partial:
+                specdec_modes = [m for m in modes if m.engine == SPECDEC]
+                context_task = progress.add_task("contexts", total=len(contexts) * len(prompts) * len(specdec_modes))
+                begun_contexts = []
+
+                def on_context_run(i: int, n: int, prompt: Prompt, mode: Mode) -> None:
+                    progress.update(
+                        context_task,
+                        completed=len(begun_contexts),
+                        description=f"prompt {i + 1}/{n} {prompt.id}: {mode.label}",
+                    )
+                    begun_contexts.append(mode)
+
+                measured.context_runs, measured.partial = run_contexts(pair, contexts, plan, on_context_run)
+                progress.update(context_task, completed=len(measured.context_runs))
         if vllm_modes and not measured.partial:
             from specdec_cli.bench.vllm_peer import cpu_build_sampling, run_vllm
 
@@ -229,9 +250,11 @@ def benchmark_record(
         "engine_note": caption if plan.engine == VLLM else None,
         "peer_versions": measured.versions if plan.peer else None,
         "batch_summary": summarize_batches(measured.runs, measured.batch_runs),
+        "context_summary": summarize_contexts(measured.context_runs),
         "prompt_set": [asdict(p) for p in prompts],
         "runs": measured.runs,
         "batch_runs": measured.batch_runs,
+        "context_runs": measured.context_runs,
     }
 
 
@@ -246,6 +269,7 @@ def report(cfg: Config, record: dict, run: records.Run) -> None:
         ]
         + ([peer_report(peers, record["peer_fairness"])] if peers else [])
         + ([batch_report(record["batch_summary"], rule)] if record["batch_runs"] else [])
+        + ([context_report(record["context_summary"], rule)] if record.get("context_summary") else [])
     )
     chart_files = charts.draw([(charts.heading(record), record)]) if run.recording else {}
     markdown = markdown_document(record, tables, list(chart_files))

@@ -5,13 +5,14 @@ alone's unless the two runs' forwards round differently (a verification forward 
 not a single-token step on every kernel) and the top two logits sit closer than that rounding. `triage`
 follows a divergence to its first differing token and replays both runs' target forwards there as
 their loops should have run them: the same widths, the cache cut to each block's accepted prefix. It
-is rounding when the target alone's own forward put the two tokens closer than the dtype resolves and
-the two forwards' logits differ by less than that too; anything else (a verification forward that
+is rounding when the target alone's own forward put the two tokens closer than the dtype resolves at
+the logits' size and the two forwards' logits differ by less than that too; anything else (a verification forward that
 does not pick the token the loop emitted, forwards further apart than rounding) is a bug.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -19,13 +20,18 @@ import torch
 from specdec_cli.decoding.cache import CachedModel
 from specdec_cli.decoding.metrics import StepRecord
 
-# logit differences below this are within the rounding of the dtype the products run in (int8 and
-# int4 products take bfloat16 activations)
-RESOLUTION = {torch.float32: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.1}
+# logit differences below this are rounding whatever the logits' size (int8 and int4 products take
+# bfloat16 activations and give bfloat16 outputs)
+FLOOR = {torch.float32: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.1}
+ULPS = 8  # and below this many units in the last place of the largest logit: forwards that round differently
 
 
-def resolution(dtype: torch.dtype, weights: str = "float") -> float:
-    return RESOLUTION[torch.bfloat16] if weights in ("int8", "int4") else RESOLUTION.get(dtype, 1e-3)
+def resolution(dtype: torch.dtype, weights: str = "float", magnitude: float = 0.0) -> float:
+    """What logits of `magnitude` (the largest in absolute value) resolve when the forward runs in
+    `dtype` with `weights`: differences below it are rounding."""
+    dtype = torch.bfloat16 if weights in ("int8", "int4") else dtype
+    ulp = torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(magnitude)) if magnitude > 0 else 0.0
+    return max(FLOOR.get(dtype, 1e-3), ULPS * ulp)
 
 
 @dataclass
@@ -39,7 +45,7 @@ class Divergence:
     verification_margin: float  # the same in the speculative run's verification forward
     gap: float  # the alone forward's logit of its own token minus that of the speculative token
     difference: float  # the largest difference between the two forwards' logits
-    resolution: float  # what the dtype resolves: rounding is below it
+    resolution: float  # what the dtype resolves at these logits' size: rounding is below it
     reproduced: bool  # whether the replays give each run its own token
     rounding: bool
     reason: str
@@ -93,31 +99,40 @@ def triage(
     prompt: list[int],
     alone: tuple[list[int], list[StepRecord]],
     speculative: tuple[list[int], list[StepRecord]],
-    resolution: float,
+    dtype: torch.dtype,
+    weights: str = "float",
+    trees: bool = False,
 ) -> Divergence | None:
     """The first divergence of a speculative greedy run (tokens, steps) from the target alone's, classed
-    by replaying both; None if their tokens are equal."""
+    by replaying both forwards (run in `dtype` with `weights`); None if their tokens are equal. `trees`:
+    the run verified trees, whose blocks are replayed as chains of their depth, so its flips need not
+    come back."""
     position = first_difference(alone[0], speculative[0])
     if position is None:
         return None
     if position >= min(len(alone[0]), len(speculative[0])):
         # both decode the same tokens up to an EOS, so only a bug stops one run and not the other
-        return Divergence(position, -1, -1, 0.0, 0.0, 0.0, 0.0, resolution, False, False, "one run stopped early")
+        floor = resolution(dtype, weights)
+        return Divergence(position, -1, -1, 0.0, 0.0, 0.0, 0.0, floor, False, False, "one run stopped early")
     ours, theirs = alone[0][position], speculative[0][position]
     single = replayed_logits(target, prompt, *alone, position)
     verification = replayed_logits(target, prompt, *speculative, position)
     margins = [float(top[0] - top[1]) for top in (single.topk(2).values, verification.topk(2).values)]
     gap = float(single[ours] - single[theirs])
     difference = float((single - verification).abs().max())
+    tolerance = resolution(dtype, weights, float(torch.maximum(single.abs().max(), verification.abs().max())))
     picked = int(verification.argmax())
     reproduced = int(single.argmax()) == ours and picked == theirs
-    rounding = gap < resolution and difference < resolution
+    near = gap < tolerance and difference < tolerance
+    rounding = near and (reproduced or trees)
     if rounding:
-        reason = "a near-tie" + ("" if reproduced else " (the replays do not flip it)")
+        reason = "a near-tie the two forwards round apart" + ("" if reproduced else " (trees replayed as chains)")
+    elif near:
+        reason = f"a near-tie, but the replayed verification forward picks token {picked}, as the target alone does"
     elif picked != theirs:
         reason = f"the verification forward picks token {picked}, the loop emitted {theirs}"
     elif difference >= resolution:
         reason = "the two forwards differ by more than rounding"
     else:
         reason = "the two tokens are further apart than rounding"
-    return Divergence(position, ours, theirs, *margins, gap, difference, resolution, reproduced, rounding, reason)
+    return Divergence(position, ours, theirs, *margins, gap, difference, tolerance, reproduced, rounding, reason)

@@ -72,6 +72,27 @@ class BlockVerification(SampledChain):
         return sampling.verify_block(drafts, draft_probs, target_probs, generator)
 
 
+class SyntheticAcceptance(ChainRule):
+    """A loop benchmark, never exact (vLLM's synthetic rejection sampling): `rule` runs, so the block
+    costs what it would, then each draft is kept with probability `rate` given the ones before it were,
+    whatever the target says, and the target's own token follows the kept ones (greedy: its argmax;
+    sampled: a draw from its warped distribution there)."""
+
+    name = "synthetic"
+
+    def __init__(self, rule: ChainRule, rate: float):
+        self.rule, self.rate = rule, rate
+
+    def verify(self, drafts, draft_probs, logits, params, generator):
+        self.rule.verify(drafts, draft_probs, logits, params, generator)
+        draws = torch.rand(drafts.shape, generator=generator, device=drafts.device)
+        num_accepted = sampling.accepted_prefix_length((draws < self.rate) & (drafts >= 0))
+        after = logits.gather(1, num_accepted[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]  # [B, V]
+        if params.greedy:
+            return num_accepted, after.argmax(dim=-1)
+        return num_accepted, sampling.sample(sampling.warp(after, params), generator)
+
+
 # a sampled chain's rules by the name speculation.verification gives them
 SAMPLED_CHAIN_RULES: dict[str, type[SampledChain]] = {"token": TokenVerification, "block": BlockVerification}
 

@@ -386,7 +386,8 @@ def check_greedy(
     advance()
     what = f"{label}: speculative greedy == target-only greedy"
     threshold = "identical, or rounding at the first difference"
-    divergence = drift.triage(pair.target, prompt_ids, base, spec, drift.resolution(pair.dtype, pair.weights))
+    trees = pair.config.speculation.tree is not None
+    divergence = drift.triage(pair.target, prompt_ids, base, spec, pair.dtype, pair.weights, trees)
     if divergence is None:
         return Row("5 greedy", what, len(base[0]), "identical", threshold=threshold)
     return Row(
