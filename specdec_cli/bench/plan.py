@@ -144,46 +144,10 @@ def make_plan(
     and the config's temperature (1.0 if the config is greedy); the config's verification rule. vLLM
     (engine) drafts chains and verifies token by token: a tree or block rule, asked for or in the
     config, is refused."""
-    num_draft_tokens_list = num_draft_tokens_list or [cfg.speculation.num_draft_tokens]
-    trees = trees or ([cfg.speculation.tree] if cfg.speculation.tree else [])
-    temperatures = temperatures or list(dict.fromkeys([0.0, cfg.sampling.temperature or 1.0]))
-    if min(num_draft_tokens_list) < 1:
-        raise SpecdecError(f"--num-draft-tokens-list values must be >= 1, got {num_draft_tokens_list}")
-    if not all(math.isfinite(t) and t >= 0 for t in temperatures):
-        raise SpecdecError(f"--temperatures must be finite numbers >= 0 (0 is greedy), got {temperatures}")
-    verifications = verifications or [cfg.speculation.verification]
-    if engine == VLLM:
-        if context_lengths:
-            raise SpecdecError("--context-lengths runs specdec's loop; with --engine vllm nothing runs in it")
-        if peer is not None:
-            raise SpecdecError("--peer sets a peer beside specdec's loop; with --engine vllm nothing runs in it")
-        if trees or verifications != ["token"]:
-            raise SpecdecError(
-                "--engine vllm drafts chains verified token by token: no tree, no block rule (--tree, "
-                "--verification, or the config's speculation.tree and verification)"
-            )
-    if not set(verifications) <= set(VERIFICATIONS):
-        raise SpecdecError(f"--verification takes token, block or both (token,block), got {','.join(verifications)}")
-    if repeats < 1 or warmup < 0:
-        raise SpecdecError("--repeats must be >= 1 and --warmup >= 0")
-    if peer is not None and peer not in PEERS:
-        raise SpecdecError(f"unknown --peer {peer!r}; known: {', '.join(PEERS)}")
-    batch_sizes = sorted(set([1] + (batch_sizes or [])))  # batch 1 is always measured: the sizes compare to it
-    if batch_sizes[0] < 1:
-        raise SpecdecError(f"--batch-sizes must be >= 1, got {batch_sizes}")
-    synthetic = cfg.speculation.synthetic_acceptance
-    if synthetic is not None and (peer or engine != SPECDEC or trees):
-        raise SpecdecError(
-            "--synthetic-acceptance measures specdec's own loop on chains: no --peer, --engine vllm or tree"
-        )
-    if peer == LLAMACPP and len(batch_sizes) > 1:
-        raise SpecdecError(
-            "--peer llamacpp decodes one prompt at a time (llama-cpp-python has no batches): batch size 1"
-        )
     s = cfg.sampling
-    return Plan(
-        temperatures,
-        num_draft_tokens_list,
+    plan = Plan(
+        temperatures or list(dict.fromkeys([0.0, s.temperature or 1.0])),
+        num_draft_tokens_list or [cfg.speculation.num_draft_tokens],
         cfg.generation.max_new_tokens,
         repeats,
         warmup,
@@ -192,13 +156,50 @@ def make_plan(
         s.top_k,
         s.top_p,
         peer,
-        batch_sizes=batch_sizes,
-        trees=list(dict.fromkeys(trees)),
-        verifications=verifications,
+        batch_sizes=sorted(set([1] + (batch_sizes or []))),  # batch 1 is always measured: the sizes compare to it
+        trees=list(dict.fromkeys(trees or ([cfg.speculation.tree] if cfg.speculation.tree else []))),
+        verifications=verifications or [cfg.speculation.verification],
         engine=engine,
-        synthetic_acceptance=synthetic,
+        synthetic_acceptance=cfg.speculation.synthetic_acceptance,
         context_lengths=context_lengths or [],
     )
+    check_plan(plan)
+    return plan
+
+
+def check_plan(plan: Plan) -> None:
+    """Refuse, before any work, values out of range and what cannot run together."""
+    if min(plan.num_draft_tokens_list) < 1:
+        raise SpecdecError(f"--num-draft-tokens-list values must be >= 1, got {plan.num_draft_tokens_list}")
+    if not all(math.isfinite(t) and t >= 0 for t in plan.temperatures):
+        raise SpecdecError(f"--temperatures must be finite numbers >= 0 (0 is greedy), got {plan.temperatures}")
+    if plan.engine == VLLM:
+        if plan.context_lengths:
+            raise SpecdecError("--context-lengths runs specdec's loop; with --engine vllm nothing runs in it")
+        if plan.peer is not None:
+            raise SpecdecError("--peer sets a peer beside specdec's loop; with --engine vllm nothing runs in it")
+        if plan.trees or plan.verifications != ["token"]:
+            raise SpecdecError(
+                "--engine vllm drafts chains verified token by token: no tree, no block rule (--tree, "
+                "--verification, or the config's speculation.tree and verification)"
+            )
+    if not set(plan.verifications) <= set(VERIFICATIONS):
+        got = ",".join(plan.verifications)
+        raise SpecdecError(f"--verification takes token, block or both (token,block), got {got}")
+    if plan.repeats < 1 or plan.warmup < 0:
+        raise SpecdecError("--repeats must be >= 1 and --warmup >= 0")
+    if plan.peer is not None and plan.peer not in PEERS:
+        raise SpecdecError(f"unknown --peer {plan.peer!r}; known: {', '.join(PEERS)}")
+    if plan.batch_sizes[0] < 1:
+        raise SpecdecError(f"--batch-sizes must be >= 1, got {plan.batch_sizes}")
+    if plan.synthetic_acceptance is not None and (plan.peer or plan.engine != SPECDEC or plan.trees):
+        raise SpecdecError(
+            "--synthetic-acceptance measures specdec's own loop on chains: no --peer, --engine vllm or tree"
+        )
+    if plan.peer == LLAMACPP and len(plan.batch_sizes) > 1:
+        raise SpecdecError(
+            "--peer llamacpp decodes one prompt at a time (llama-cpp-python has no batches): batch size 1"
+        )
 
 
 def choose_prompts(path: Path | None, category: str | None, limit: int | None) -> list[Prompt]:

@@ -123,6 +123,21 @@ def prepare(cfg: Config, plan: Plan):
     return pair, caption
 
 
+class RunProgress:
+    """A progress task over runs: each call (prompt index, prompts, prompt, mode) begins one run."""
+
+    def __init__(self, progress, description: str, total: int):
+        self.progress, self.task, self.begun = progress, progress.add_task(description, total=total), 0
+
+    def __call__(self, i: int, n: int, prompt: Prompt, mode: Mode) -> None:
+        description = f"prompt {i + 1}/{n} {prompt.id}: {mode.label}"
+        self.progress.update(self.task, completed=self.begun, description=description)
+        self.begun += 1
+
+    def finish(self, completed: int) -> None:
+        self.progress.update(self.task, completed=completed)
+
+
 def measure(pair, prompts: list[Prompt], plan: Plan) -> Measured:
     """Every mode of the plan on every prompt, in specdec's loop and vLLM's as the plan says, with
     progress; Ctrl-C ends it with what every mode finished (`partial`)."""
@@ -147,48 +162,22 @@ def measure(pair, prompts: list[Prompt], plan: Plan) -> Measured:
 
         if plan.engine == SPECDEC:
             modes = plan.modes()
-            task = progress.add_task(f"warm-up ({plan.warmup} per mode)", total=len(prompts) * len(modes))
-
-            def on_run(i: int, n: int, prompt: Prompt, mode: Mode) -> None:
-                progress.update(
-                    task,
-                    completed=i * len(modes) + modes.index(mode),
-                    description=f"prompt {i + 1}/{n} {prompt.id}: {mode.label}",
-                )
-
+            on_run = RunProgress(progress, f"warm-up ({plan.warmup} per mode)", len(prompts) * len(modes))
             measured.runs, measured.partial = run_benchmark(pair, prompts, plan, on_run)
-            progress.update(task, completed=len(measured.runs))
+            on_run.finish(len(measured.runs))
             if plan.batch_modes() and not measured.partial:
                 measured.batch_runs, measured.partial = run_batches(pair, prompts, plan, on_batch)
             if contexts and not measured.partial:
-                specdec_modes = [m for m in modes if m.engine == SPECDEC]
-                context_task = progress.add_task("contexts", total=len(contexts) * len(prompts) * len(specdec_modes))
-                begun_contexts = []
-
-                def on_context_run(i: int, n: int, prompt: Prompt, mode: Mode) -> None:
-                    progress.update(
-                        context_task,
-                        completed=len(begun_contexts),
-                        description=f"prompt {i + 1}/{n} {prompt.id}: {mode.label}",
-                    )
-                    begun_contexts.append(mode)
-
-                measured.context_runs, measured.partial = run_contexts(pair, contexts, plan, on_context_run)
-                progress.update(context_task, completed=len(measured.context_runs))
+                total = len(contexts) * len(prompts) * sum(m.engine == SPECDEC for m in modes)
+                on_run = RunProgress(progress, "contexts", total)
+                measured.context_runs, measured.partial = run_contexts(pair, contexts, plan, on_run)
+                on_run.finish(len(measured.context_runs))
         if vllm_modes and not measured.partial:
             from specdec_cli.bench.vllm_peer import cpu_build_sampling, run_vllm
 
-            vllm_task = progress.add_task("vllm: starting an engine", total=len(prompts) * len(vllm_modes))
-            started = []  # the runs begun so far
-
-            def on_vllm_run(i: int, n: int, prompt: Prompt, mode: Mode) -> None:
-                progress.update(
-                    vllm_task, completed=len(started), description=f"prompt {i + 1}/{n} {prompt.id}: {mode.label}"
-                )
-                started.append(mode)
-
-            done = run_vllm(pair, prompts, plan, on_vllm_run, on_batch)
-            progress.update(vllm_task, completed=len(started))
+            on_run = RunProgress(progress, "vllm: starting an engine", len(prompts) * len(vllm_modes))
+            done = run_vllm(pair, prompts, plan, on_run, on_batch)
+            on_run.finish(on_run.begun)
             measured.runs += done.runs
             measured.batch_runs += done.batch_runs
             measured.partial = done.partial
@@ -199,19 +188,9 @@ def measure(pair, prompts: list[Prompt], plan: Plan) -> Measured:
         if plan.peer == LLAMACPP and not measured.partial:
             from specdec_cli.bench.llamacpp_peer import run_llamacpp
 
-            llamacpp_task = progress.add_task("llamacpp: starting", total=len(prompts) * len(engine_modes))
-            begun_runs = []
-
-            def on_llamacpp_run(i: int, n: int, prompt: Prompt, mode: Mode) -> None:
-                progress.update(
-                    llamacpp_task,
-                    completed=len(begun_runs),
-                    description=f"prompt {i + 1}/{n} {prompt.id}: {mode.label}",
-                )
-                begun_runs.append(mode)
-
-            done = run_llamacpp(pair, prompts, plan, on_llamacpp_run)
-            progress.update(llamacpp_task, completed=len(done.runs))
+            on_run = RunProgress(progress, "llamacpp: starting", len(prompts) * len(engine_modes))
+            done = run_llamacpp(pair, prompts, plan, on_run)
+            on_run.finish(len(done.runs))
             measured.runs += done.runs
             measured.partial = done.partial
             measured.versions, measured.caption = {"llamacpp": done.version}, done.caption
