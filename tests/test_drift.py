@@ -75,7 +75,9 @@ def test_a_flip_at_a_near_tie_that_the_loop_does_not_compute_is_a_bug(near_tie, 
         cached(model), prompt, (alone.token_ids, alone.steps), (flipped, alone.steps[: position + 1]), torch.float32
     )
     assert found.position == position and found.gap < FLOAT32 and found.difference < FLOAT32
-    assert not found.reproduced and not found.rounding and found.reason.startswith("a near-tie, but the replayed")
+    assert not found.reproduced and not found.rounding
+    near_tie = f"picks token {found.alone_token} at a near-tie, the loop emitted {found.speculative_token}"
+    assert found.reason == f"the replayed verification forward {near_tie}"
 
 
 def test_a_loop_accepting_the_targets_second_choice_is_a_bug(tiny_target, noisy_draft, tokenizer, monkeypatch):
@@ -87,7 +89,7 @@ def test_a_loop_accepting_the_targets_second_choice_is_a_bug(tiny_target, noisy_
     found = drift.triage(cached(tiny_target), prompt, *runs, torch.float32)
     assert found is not None and not found.rounding and found.gap > FLOAT32
     picked, emitted = found.alone_token, found.speculative_token
-    assert found.reason == f"the verification forward picks token {picked}, the loop emitted {emitted}"
+    assert found.reason == f"the replayed verification forward picks token {picked}, the loop emitted {emitted}"
 
 
 runner = CliRunner()
@@ -121,3 +123,24 @@ def test_resolution_grows_with_the_logits_in_units_in_the_last_place():
     assert drift.resolution(torch.bfloat16, "float", 20.0) == 8 * 2**-7 * 16  # 1.0
     assert drift.resolution(torch.bfloat16, "float", 0.5) == 0.1
     assert drift.resolution(torch.float32, "int4", 20.0) == 1.0  # int4 products round to bfloat16
+
+
+def test_each_verdict_from_the_two_forwards_logits():
+    """drift.verdict on logits over 4 tokens, the target alone having emitted 0 and the loop 1."""
+    single = torch.tensor([5.0, 4.9995, 1.0, 0.0])
+
+    def case(verification, trees=False):
+        return drift.verdict(single, torch.tensor(verification), 0, 1, FLOAT32, trees)[2:]
+
+    assert case([4.9995, 5.0, 1.0, 0.0]) == (True, True, "a near-tie the two forwards round apart")
+    not_flipped = case([5.0, 4.9995, 1.0, 0.0])
+    assert not_flipped[:2] == (False, False) and not_flipped[2].endswith(
+        "picks token 0 at a near-tie, the loop emitted 1"
+    )
+    assert case([5.0, 4.9995, 1.0, 0.0], trees=True)[:2] == (False, True)  # trees' replays are chains
+    assert case([4.9, 5.0, 1.0, 0.0])[1:] == (False, "the two forwards differ by more than rounding")
+    assert case([3.0, 2.0, 6.0, 0.0])[2] == "the replayed verification forward picks token 2, the loop emitted 1"
+    far = drift.verdict(torch.tensor([5.0, 4.0, 1.0, 0.0]), torch.tensor([4.5, 4.6, 1.0, 0.0]), 0, 1, 0.8, False)
+    assert far[3:] == (False, "the two tokens are further apart than rounding")  # gap 1, forwards 0.6 apart
+    wrong_alone = drift.verdict(single, torch.tensor([4.9995, 5.0, 1.0, 0.0]), 2, 1, FLOAT32, False)
+    assert wrong_alone[3:] == (False, "the replayed single-token forward picks token 0, the target alone emitted 2")

@@ -87,6 +87,31 @@ def replayed_logits(
     raise ValueError(f"the steps decode {start} tokens, not {position + 1}")
 
 
+def verdict(
+    single: torch.Tensor, verification: torch.Tensor, ours: int, theirs: int, tolerance: float, trees: bool
+) -> tuple[float, float, bool, bool, str]:
+    """(gap, difference, whether the replays flip it, whether it is rounding, why) from the replayed
+    single-token and verification forwards' logits [V] where the target alone emitted `ours` and the
+    speculative run `theirs` (the fields of Divergence)."""
+    picked, alone_picked = int(verification.argmax()), int(single.argmax())
+    reproduced = alone_picked == ours and picked == theirs
+    gap, difference = float(single[ours] - single[theirs]), float((single - verification).abs().max())
+    near = gap < tolerance and difference < tolerance
+    rounding = near and (reproduced or trees)
+    if rounding:
+        reason = "a near-tie the two forwards round apart" + ("" if reproduced else " (trees replayed as chains)")
+    elif picked != theirs:
+        where = " at a near-tie" if near else ""
+        reason = f"the replayed verification forward picks token {picked}{where}, the loop emitted {theirs}"
+    elif alone_picked != ours:
+        reason = f"the replayed single-token forward picks token {alone_picked}, the target alone emitted {ours}"
+    elif difference >= tolerance:
+        reason = "the two forwards differ by more than rounding"
+    else:
+        reason = "the two tokens are further apart than rounding"
+    return gap, difference, reproduced, rounding, reason
+
+
 def first_difference(a: list[int], b: list[int]) -> int | None:
     """The first index at which a and b differ (one being shorter counts), None if they are equal."""
     if a == b:
@@ -118,21 +143,6 @@ def triage(
     single = replayed_logits(target, prompt, *alone, position)
     verification = replayed_logits(target, prompt, *speculative, position)
     margins = [float(top[0] - top[1]) for top in (single.topk(2).values, verification.topk(2).values)]
-    gap = float(single[ours] - single[theirs])
-    difference = float((single - verification).abs().max())
     tolerance = resolution(dtype, weights, float(torch.maximum(single.abs().max(), verification.abs().max())))
-    picked = int(verification.argmax())
-    reproduced = int(single.argmax()) == ours and picked == theirs
-    near = gap < tolerance and difference < tolerance
-    rounding = near and (reproduced or trees)
-    if rounding:
-        reason = "a near-tie the two forwards round apart" + ("" if reproduced else " (trees replayed as chains)")
-    elif near:
-        reason = f"a near-tie, but the replayed verification forward picks token {picked}, as the target alone does"
-    elif picked != theirs:
-        reason = f"the verification forward picks token {picked}, the loop emitted {theirs}"
-    elif difference >= resolution:
-        reason = "the two forwards differ by more than rounding"
-    else:
-        reason = "the two tokens are further apart than rounding"
+    gap, difference, reproduced, rounding, reason = verdict(single, verification, ours, theirs, tolerance, trees)
     return Divergence(position, ours, theirs, *margins, gap, difference, tolerance, reproduced, rounding, reason)
