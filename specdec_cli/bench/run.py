@@ -8,6 +8,7 @@ are its turns' sums.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from specdec_cli.bench.measure import BatchGenerate, Measure, Turn, TurnGenerator
 from specdec_cli.bench.plan import SPECDEC, Mode, Plan
@@ -127,9 +128,10 @@ def run_contexts(
     tokens)); each run's record says its context length and its prompt's tokens. Ctrl-C keeps the
     lengths and prompts finished in every mode."""
     modes = [m for m in plan.modes() if m.engine == SPECDEC]
+    unwarmed = replace(plan, warmup=0)  # the prompts' own runs paid the one-time costs
     runs: list[dict] = []
     for length, prompts, tokens in contexts:
-        done, partial = run_benchmark(pair, prompts, plan, on_run, modes)
+        done, partial = run_benchmark(pair, prompts, unwarmed, on_run, modes)
         runs += [{**r, "context_length": length, "prompt_tokens": tokens[r["prompt_id"]]} for r in done]
         if partial:
             return runs, True
