@@ -12,14 +12,20 @@ from broken_rules import verify_greedy_within_top_two
 from conftest import cached
 from typer.testing import CliRunner
 
+from specdec_cli.bench import run as run_module
+from specdec_cli.bench.plan import make_plan
+from specdec_cli.bench.prompts import Prompt
+from specdec_cli.bench.run import run_benchmark
+from specdec_cli.bench.summary import summarize_peers
 from specdec_cli.cli import app
-from specdec_cli.config import TinyModel
+from specdec_cli.config import TinyModel, load_config
 from specdec_cli.decoding import drift, sampling
 from specdec_cli.decoding.engine import SpeculativeDecoder
 from specdec_cli.decoding.params import SamplingParams
 from specdec_cli.errors import EXIT_CHECK_FAILED
 from specdec_cli.loading.checkpoints import build_tiny
 from specdec_cli.methods.model import ModelDrafter
+from specdec_cli.pair import load_pair
 
 GREEDY = SamplingParams()
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown"
@@ -144,3 +150,29 @@ def test_each_verdict_from_the_two_forwards_logits():
     assert far[3:] == (False, "the two tokens are further apart than rounding")  # gap 1, forwards 0.6 apart
     wrong_alone = drift.verdict(single, torch.tensor([4.9995, 5.0, 1.0, 0.0]), 2, 1, FLOAT32, False)
     assert wrong_alone[3:] == (False, "the replayed single-token forward picks token 0, the target alone emitted 2")
+
+
+def test_a_peers_first_difference_is_located_with_specdecs_own_gap_there(write_config):
+    pair = load_pair(load_config(str(write_config({"runtime": {"threads": 1}}))))
+    prompts = [Prompt("p", "c", (PROMPT,)), Prompt("two turns", "c", (PROMPT, "And then?"))]
+    runs, _ = run_benchmark(pair, prompts, make_plan(pair.config, [3], [0.0], 1, 0, None))
+    alone_runs = {r["prompt_id"]: r for r in runs if r["num_draft_tokens"] == 0}
+    alone = alone_runs["p"]["repeats"][0]["token_ids"]
+    # specdec's own next-token logits at token 5, from one fresh forward over the whole context
+    ids = pair.encode(PROMPT)
+    pair.target.reset(len(ids) + 8)
+    logits = pair.target.forward(torch.tensor([ids + alone[:5]]), logits="last").logits[0, -1]
+    runner_up = int(logits.topk(2).indices[1])
+    # a peer (an engine not run here) that took specdec's runner-up at token 5, and one that agreed throughout
+    peer = [
+        {**alone_runs[i], "engine": "llamacpp", "repeats": [{**alone_runs[i]["repeats"][0], "token_ids": tokens}]}
+        for i, tokens in (("p", alone[:5] + [runner_up]), ("two turns", [0]))
+    ]
+    run_module.locate_peer_divergences(pair, prompts, runs + peer)
+    found = peer[0]["repeats"][0]["greedy_divergence"]
+    assert (found["position"], found["specdec_token"], found["peer_token"]) == (5, alone[5], runner_up)
+    assert found["gap"] == pytest.approx(float(logits[alone[5]] - logits[runner_up]), abs=1e-4)
+    assert found["gap"] == found["specdec_margin"] > 0
+    assert peer[1]["repeats"][0]["greedy_divergence"] is None  # two turns: not located
+    row = next(r for r in summarize_peers(runs + peer) if r["engine"] == "llamacpp")
+    assert row["greedy_near_ties"] == int(found["gap"] < found["resolution"])

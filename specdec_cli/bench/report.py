@@ -211,6 +211,14 @@ def _sides(row: dict, name: str, cell) -> str:
     return f"{cell(row.get(f'peer_{name}'))} / {cell(row.get(f'specdec_{name}'))}"
 
 
+def _peer_greedy(r: dict) -> str:
+    """Prompts with specdec's greedy tokens, and how many of the others first differ at a near-tie of specdec's."""
+    if r["greedy_identical"] is None:
+        return "n/a"
+    near = r.get("greedy_near_ties")
+    return f"{r['greedy_identical']}/{r['prompts']}" + (f" ({near} differ at near-ties)" if near else "")
+
+
 def peer_report(peers: list[dict], caption: str) -> Report:
     rows = [
         [
@@ -227,7 +235,7 @@ def peer_report(peers: list[dict], caption: str) -> Report:
             _sides(r, "decode_tokens_per_second", lambda x: "n/a" if x is None else f"{x[0]:.1f}"),
             _sides(r, "mean_accepted_length", fmt),
             _sides(r, "acceptance_by_position", _positions),
-            "n/a" if r["greedy_identical"] is None else f"{r['greedy_identical']}/{r['prompts']}",
+            _peer_greedy(r),
         ]
         for r in peers
     ]

@@ -15,6 +15,7 @@ from specdec_cli.bench.plan import SPECDEC, Mode, Plan
 from specdec_cli.bench.prompts import Prompt
 from specdec_cli.decoding import drift
 from specdec_cli.decoding.engine import SpeculativeDecoder
+from specdec_cli.decoding.metrics import StepRecord
 from specdec_cli.pair import Pair
 
 WARMUP_TOKENS = 32  # enough for one-time costs (allocations, thread pools); not the full length
@@ -154,6 +155,40 @@ def triage_greedy(pair: Pair, alone: Measure, speculative: Measure, trees: bool)
         if found is not None:
             speculative.greedy_divergence = {"turn": turn, **found.to_dict()}
             return
+
+
+def locate_peer_divergences(pair: Pair, prompts: list[Prompt], runs: list[dict]) -> None:
+    """Where a peer's greedy tokens leave specdec's target alone's, on single-turn prompts: the first
+    differing token and, from specdec's own single-token forward there (replayed), the gap between its
+    token and the peer's, beside the resolution, in the peer run's record (`greedy_divergence`). No
+    verdict: a peer's arithmetic is its own, so only how close the two tokens were says anything."""
+    alone = {
+        r["prompt_id"]: r["repeats"][0]
+        for r in runs
+        if r["engine"] == SPECDEC and r["temperature"] == 0 and r["num_draft_tokens"] == 0
+    }
+    single_turn = {p.id: p.turns[0] for p in prompts if len(p.turns) == 1}
+    for run in runs:
+        ours = alone.get(run["prompt_id"])
+        if run["engine"] == SPECDEC or run["temperature"] != 0 or ours is None or run["prompt_id"] not in single_turn:
+            continue
+        theirs = run["repeats"][0]
+        position = drift.first_difference(ours["token_ids"], theirs["token_ids"])
+        if position is None or position >= min(len(ours["token_ids"]), len(theirs["token_ids"])):
+            continue  # the same tokens, or the same up to where one stopped
+        steps = [StepRecord(*s) for s in ours["steps"]]
+        ids = pair.encode(single_turn[run["prompt_id"]])
+        logits = drift.replayed_logits(pair.target, ids, ours["token_ids"], steps, position)
+        specdec_token, peer_token = ours["token_ids"][position], theirs["token_ids"][position]
+        top = logits.topk(2).values
+        theirs["greedy_divergence"] = {
+            "position": position,
+            "specdec_token": specdec_token,
+            "peer_token": peer_token,
+            "specdec_margin": float(top[0] - top[1]),
+            "gap": float(logits[specdec_token] - logits[peer_token]),
+            "resolution": drift.resolution(pair.dtype, pair.weights, float(logits.abs().max())),
+        }
 
 
 def batch_generator(pair: Pair, mode: Mode, plan: Plan, max_new_tokens: int) -> BatchGenerate:

@@ -275,9 +275,19 @@ def summarize_peers(runs: list[dict]) -> list[dict]:
                         "peer_acceptance_by_position": peer_acceptance["acceptance_by_position"],
                         "specdec_acceptance_by_position": our_acceptance["acceptance_by_position"],
                         "greedy_identical": greedy_identical(ours_runs, peer_runs),
+                        "greedy_near_ties": greedy_near_ties(peer_runs),
                     }
                 )
     return out
+
+
+def greedy_near_ties(peer_runs: list[dict]) -> int | None:
+    """Prompts whose peer tokens left specdec's target alone's where specdec's own forward put the two
+    tokens within its resolution (bench/run.py's locate_peer_divergences; None when sampled or not located)."""
+    if peer_runs[0]["temperature"] != 0:
+        return None
+    found = [r["repeats"][0].get("greedy_divergence") for r in peer_runs]
+    return sum(d is not None and d["gap"] < d["resolution"] for d in found)
 
 
 def gate_failures(summary: list[dict], min_speedup: float | None, min_accept_length: float | None) -> list[str]:

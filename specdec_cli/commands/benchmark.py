@@ -21,7 +21,7 @@ from specdec_cli.bench.report import (
     rich_table,
     verification,
 )
-from specdec_cli.bench.run import run_batches, run_benchmark, run_contexts
+from specdec_cli.bench.run import locate_peer_divergences, run_batches, run_benchmark, run_contexts
 from specdec_cli.bench.summary import (
     add_weight_read_rates,
     gate_failures,
@@ -58,6 +58,8 @@ def execute(
 ) -> None:
     pair, caption = prepare(cfg, plan)
     measured = measure(pair, prompts, plan)
+    if plan.peer and plan.engine == SPECDEC:
+        locate_peer_divergences(pair, prompts, measured.runs)
     caption = " ".join(part for part in (measured.caption, caption) if part) or None
     if measured.warning:
         caption = f"{caption} {measured.warning}"
